@@ -1,0 +1,1 @@
+"""kvpos integrations (installed as kvpos.integrations): transformers adapter (hf), RAG adapter (rag)."""

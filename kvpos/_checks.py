@@ -1,0 +1,56 @@
+"""One place for argument errors: every message names what, expected, got and (where useful) the fix."""
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+
+
+def fail(what: str, expected: str, got: Any, fix: str | None = None, exc: type[Exception] = ValueError) -> NoReturn:
+    """Raise `exc` with the house message format: "<what>: expected <expected>, got <got>[; <fix>]"."""
+    msg = f"{what}: expected {expected}, got {got}"
+    if fix:
+        msg += f"; {fix}"
+    raise exc(msg)
+
+
+def check_int(what: str, value: Any) -> int:
+    """Return `value` as a Python int, or raise TypeError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int,)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            return int(value.item())
+        fail(what, "an int", f"{type(value).__name__} {value!r}", exc=TypeError)
+    return int(value)
+
+
+def check_range(what: str, start: Any, end: Any, n: int) -> tuple[int, int]:
+    """Validate a slot range [start, end) inside [0, n]."""
+    start, end = check_int(f"{what} start", start), check_int(f"{what} end", end)
+    if not 0 <= start <= end <= n:
+        fail(what, f"0 <= start <= end <= T={n}", f"start={start}, end={end}")
+    return start, end
+
+
+def check_tensor(what: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        fail(what, "a torch.Tensor", type(x).__name__, exc=TypeError)
+    return x
+
+
+def as_positions(what: str, pos: Any, batch: int, length: int, device: torch.device | None = None) -> torch.Tensor:
+    """Return positions as an int64 tensor [B, S]; accept [S], [1, S] or [B, S] (ints, lists or integer tensors)."""
+    if not isinstance(pos, torch.Tensor):
+        try:
+            pos = torch.as_tensor(pos)
+        except Exception:  # noqa: BLE001 - any conversion failure is a type error for the caller
+            fail(what, "an integer tensor or list of ints", type(pos).__name__, exc=TypeError)
+    if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+        fail(what, "integer positions (int64)", f"dtype {pos.dtype}", "pass torch.long positions", exc=TypeError)
+    if pos.dim() == 1:
+        pos = pos[None]
+    if pos.dim() != 2 or pos.shape[-1] != length or pos.shape[0] not in (1, batch):
+        fail(what, f"shape [S]={length} or [B, S]={(batch, length)}", tuple(pos.shape))
+    pos = pos.to(dtype=torch.long, device=device)
+    if pos.numel() and int(pos.min()) < 0:
+        fail(what, "positions >= 0", f"min {int(pos.min())}")
+    return pos.expand(batch, length)

@@ -1,0 +1,102 @@
+"""Float64 oracles: slow on purpose, written from the formulas, for tests and debugging. Never used on a fast path.
+
+Letters: B batch · H kv heads · Hq query heads · T keys · S queries · D head_dim · R rotary_dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .rope import RopeLayout, RopeSpec
+
+__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "ape_merge_ref", "windowed_score_ref"]
+
+
+def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
+    """Return the [D, D] float64 matrix s * R_p of position p (pairs per spec.layout, pass-through dims = identity)."""
+    D, R = spec.head_dim, spec.rotary_dim
+    M = torch.eye(D, dtype=torch.float64)
+    inv = spec.inv_freq.double()
+    for i in range(R // 2):
+        a, b = (i, i + R // 2) if spec.layout is RopeLayout.HALF else (2 * i, 2 * i + 1)
+        th = float(p) * float(inv[i])
+        c, s = math.cos(th), math.sin(th)
+        M[a, a], M[a, b], M[b, a], M[b, b] = c, -s, s, c
+    M[:R, :R] *= spec.attention_scaling
+    return M
+
+
+def rotate_ref(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """x [B, H, S, D] (any dtype) -> float64 s * R_pos x, pos [S] or [B, S]; one explicit matrix per position."""
+    x = x.double()
+    B, H, S, D = x.shape
+    pos = pos.reshape(-1, S).expand(B, S)
+    out = torch.empty_like(x)
+    for b in range(B):
+        for j in range(S):
+            out[b, :, j] = x[b, :, j] @ rotation_matrix_ref(int(pos[b, j]), spec).T
+    return out
+
+
+def unrotate_ref(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Inverse of rotate_ref via the explicit matrix inverse."""
+    x = x.double()
+    B, H, S, D = x.shape
+    pos = pos.reshape(-1, S).expand(B, S)
+    out = torch.empty_like(x)
+    for b in range(B):
+        for j in range(S):
+            out[b, :, j] = x[b, :, j] @ torch.linalg.inv(rotation_matrix_ref(int(pos[b, j]), spec)).T
+    return out
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float64. q [B, Hq, S, D], k/v [B, H, T, D] (GQA: Hq % H == 0), allowed [B|1, 1|Hq, S, T].
+
+    Returns (out [B, Hq, S, D], lse [B, Hq, S]) where lse = log sum_j exp(score_j) over allowed keys.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    w = torch.exp(s - lse[..., None])
+    return w @ v, lse
+
+
+def ape_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ctx: torch.Tensor, allowed: torch.Tensor,
+                  temperature: float, scale: float, sm_scale: float | None = None) -> torch.Tensor:
+    """APE attention written from the formula, float64.
+
+    Context part: scores / T -> (O_C, LSE_C); other part: plain scores -> (O_O, LSE_O);
+    [w_C, w_O] = softmax([S * T * LSE_C, LSE_O]); out = w_C O_C + w_O O_O.
+    is_ctx: [T] bool (which keys are context slots); allowed: [B|1, 1, S, T] bool.
+    """
+    sm = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    ctx = allowed & is_ctx.view(1, 1, 1, -1)
+    oth = allowed & ~is_ctx.view(1, 1, 1, -1)
+    o_c, lse_c = attend_ref(q, k, v, ctx, sm / temperature)
+    o_o, lse_o = attend_ref(q, k, v, oth, sm)
+    a = scale * temperature * lse_c
+    m = torch.maximum(a, lse_o)
+    wc, wo = torch.exp(a - m), torch.exp(lse_o - m)
+    wc, wo = torch.nan_to_num(wc), torch.nan_to_num(wo)
+    z = wc + wo
+    o_c, o_o = torch.nan_to_num(o_c), torch.nan_to_num(o_o)
+    return (wc / z)[..., None] * o_c + (wo / z)[..., None] * o_o
+
+
+def windowed_score_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, r: int, spec: RopeSpec) -> torch.Tensor:
+    """Score of far keys at fixed distance r: q^T (s R_r)^T ... written as (s R_{t} q)^T (s R_{t-r} k) with t = r.
+
+    q_raw [Hq, D] unrotated query, k_raw [T, H, D]... simplified to q_raw [D], k_raw [T, D]: returns [T] float64
+    = (s R_r q) . (s R_0 k), i.e. the score the query at position p would give a key at p - r, for any p.
+    """
+    qr = rotation_matrix_ref(r, spec) @ q_raw.double()
+    k0 = k_raw.double() @ rotation_matrix_ref(0, spec).T
+    return k0 @ qr
