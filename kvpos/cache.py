@@ -428,9 +428,12 @@ class PositionedKV:
 
     # -- transformers generate protocol (batch / beam / assisted decoding) -----------------------------------------
     def crop(self, max_length: int) -> None:
-        """Drop slots from the end: crop(-k) removes k slots; crop(n) with n >= 0 keeps the first n (transformers)."""
+        """Drop slots from the end: crop(-k) removes k slots, crop(0) does nothing, crop(n > 0) keeps the first n
+        (the legacy transformers meaning)."""
         n = self.table.n
         max_length = check_int("crop max_length", max_length)
+        if max_length == 0:
+            return
         keep = n + max_length if max_length < 0 else min(max_length, n)
         if keep < 0:
             fail("crop", f"at most {n} slots removed", -max_length)
