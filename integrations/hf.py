@@ -166,6 +166,31 @@ class PositionedCache(PositionedKV, Cache):
         rot = _install_position_hook(model)
         return cls(specs, raw_dtype=raw_dtype, rotary_modules=rot, model_id=getattr(model, "name_or_path", None))
 
+    @classmethod
+    def from_dynamic(cls, model: torch.nn.Module, cache: Cache, positions: Any = None,
+                     raw_dtype: torch.dtype | None = None) -> "PositionedCache":
+        """Convert a filled DynamicCache (rotated keys at `positions`, default 0..T-1) into a PositionedCache.
+
+        The rotated keys are kept as they are; raw keys come from one un-rotation. The DynamicCache is not modified.
+        """
+        out = cls.from_model(model, raw_dtype=raw_dtype)
+        if len(cache.layers) != len(out.layers):
+            fail("from_dynamic cache", f"{len(out.layers)} layers", len(cache.layers))
+        T = cache.get_seq_length()
+        if T == 0:
+            return out
+        B = cache.layers[0].keys.shape[0]
+        pos = as_positions("from_dynamic positions", torch.arange(T) if positions is None else positions, B, T,
+                           cache.layers[0].keys.device)
+        for i, (src, dst) in enumerate(zip(cache.layers, out.layers)):
+            if src.keys is None or src.keys.shape[2] != T:
+                fail(f"from_dynamic layer {i}", f"{T} cached keys (sliding-window layers keep fewer)",
+                     None if src.keys is None else src.keys.shape[2])
+            dst.spec.check_positions(pos, "from_dynamic positions")
+            dst.append(src.keys, src.values, unrotate(src.keys, pos, dst.spec))
+        out.table.append(pos)
+        return out
+
     # -- plumbing ------------------------------------------------------------------------------------------------
     def _incoming_positions(self, layer: PositionedLayer, k: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """[B, S] int64 positions of the keys the model is handing over."""

@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ._checks import as_positions, check_int, check_range, fail
-from .rope import RopeSpec, _apply, cos_sin, rotate, unrotate
+from .rope import RopeSpec, _apply, _apply_many, cos_sin
 
 __all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH"]
 
@@ -182,12 +182,6 @@ class SlotLayer:
         self.v[:, :, sl] = v
         self.n += S
 
-    def rerotate(self, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """rot_k[:, :, start:end] = rotate(raw_k[:, :, start:end]) with precomputed cos/sin [B|1, 1, S, R/2]."""
-        if end > start:
-            _apply(self.raw_k[:, :, start:end], cos, sin, self.spec, self.spec.attention_scaling,
-                   out=self.rot_k[:, :, start:end])
-
     def select_(self, idx: torch.Tensor) -> None:
         """Keep slots idx (1-D long) in that order, compacting them to the front."""
         for name in ("rot_k", "raw_k", "v"):
@@ -295,9 +289,9 @@ class PositionedKV:
         pos = self.table.pos[:, start:end]
         for spec, idx in self._specs().values():
             cos, sin = cos_sin(pos, spec, device=self.layers[idx[0]].rot_k.device)
-            cos, sin = cos[:, None], sin[:, None]
-            for i in idx:
-                self.layers[i].rerotate(start, end, cos, sin)
+            layers = [self.layers[i] for i in idx]
+            _apply_many([l.raw_k[:, :, start:end] for l in layers], [l.rot_k[:, :, start:end] for l in layers],
+                        cos[:, None], sin[:, None], spec)
 
     # -- position operations -------------------------------------------------------------------------------------
     def shift_(self, start: int, end: int, delta: int) -> "PositionedKV":

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ._checks import fail
+from ._kernels import rope_apply_kernel
 
 __all__ = ["RopeLayout", "RopeSpec", "rotate", "unrotate", "cos_sin", "rope_specs_from_model", "UnsupportedRopeError"]
 
@@ -143,25 +144,38 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Turn every pair of x by (cos, sin) and multiply the rotary dims by `scale`; pass-through dims are copied.
 
-    x: [B, H, S, D]; cos/sin: broadcastable to [B, 1, S, R/2] float32. Computes in float32, casts once to x.dtype
-    (or writes into `out`, which may be x itself only if x is float32... any dtype is fine: inputs are read first).
+    x: [B, H, S, D]; cos/sin: [B|1, 1, S, R/2] float32. Computes in float32 and rounds once to x.dtype; writes
+    into `out` when given (out may be x itself). Uses the fused C kernel when it can (kvpos._kernels), else torch.
     """
     if x.shape[-1] != spec.head_dim:
         fail("rotate: x", f"last dim head_dim={spec.head_dim}", tuple(x.shape))
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
+    if out is None:
+        out = torch.empty_like(x)
+    if rope_apply_kernel([x], cos, sin, spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED, [out]):
+        return out
     xf = x if x.dtype == torch.float32 else x.float()
     a, b = _pairs(xf, spec)
     ra = a * cos - b * sin
     rb = b * cos + a * sin
-    if out is None:
-        out = torch.empty_like(x)
     oa, ob = _pairs(out, spec)
     oa.copy_(ra)
     ob.copy_(rb)
     if spec.rotary_dim < spec.head_dim:
         out[..., spec.rotary_dim:].copy_(x[..., spec.rotary_dim:])
     return out
+
+
+def _apply_many(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                spec: RopeSpec) -> None:
+    """outs[l] = s * R xs[l] for layers sharing `spec` and shape; one fused kernel call when possible."""
+    s = spec.attention_scaling
+    c, n = (cos * s, sin * s) if s != 1.0 else (cos, sin)
+    if rope_apply_kernel(xs, c, n, spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED, outs):
+        return
+    for x, o in zip(xs, outs):
+        _apply(x, cos, sin, spec, s, out=o)
 
 
 def _cos_sin_for(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
