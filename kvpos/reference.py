@@ -31,7 +31,7 @@ def rotate_ref(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> torch.Tens
     """x [B, H, S, D] (any dtype) -> float64 s * R_pos x, pos [S] or [B, S]; one explicit matrix per position."""
     x = x.double()
     B, H, S, D = x.shape
-    pos = pos.reshape(-1, S).expand(B, S)
+    pos = (pos if pos.dim() == 2 else pos[None]).expand(B, S)
     out = torch.empty_like(x)
     for b in range(B):
         for j in range(S):
@@ -43,7 +43,7 @@ def unrotate_ref(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> torch.Te
     """Inverse of rotate_ref via the explicit matrix inverse."""
     x = x.double()
     B, H, S, D = x.shape
-    pos = pos.reshape(-1, S).expand(B, S)
+    pos = (pos if pos.dim() == 2 else pos[None]).expand(B, S)
     out = torch.empty_like(x)
     for b in range(B):
         for j in range(S):

@@ -130,3 +130,22 @@ def test_rotate_leaves_input_unchanged_and_accepts_non_contiguous():
     out = rotate(x, pos, spec)
     assert torch.equal(x, before)
     assert torch.allclose(out, rotate(x.contiguous(), pos, spec))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout.value}-R{s.rotary_dim}-s{s.attention_scaling}")
+def test_fused_kernel_equals_torch_path(spec, dtype, monkeypatch):
+    import kvpos.rope as rope
+    from kvpos._kernels import rope_kernel_available
+
+    if not rope_kernel_available():
+        pytest.skip("C kernel not built on this machine (the torch path is what runs)")
+    x = torch.randn(2, 3, 40, spec.head_dim).to(dtype)[:, :, 3:37]   # non-contiguous slice, as in the cache
+    pos = torch.randint(0, 5000, (2, 34))
+    fast = rotate(x, pos, spec)
+    monkeypatch.setattr(rope, "rope_apply_kernel", lambda *a, **k: False)
+    slow = rotate(x, pos, spec)
+    if dtype == torch.float32:
+        assert (fast - slow).abs().max() < 1e-5
+    else:  # both round a float32 result once; they may differ by one bf16 ulp where float32 sums differ
+        assert ((fast.float() - slow.float()).abs() <= slow.float().abs() * 2 ** -7 + 1e-6).all()
