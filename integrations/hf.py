@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpos._checks import as_positions, check_tensor, fail
 from kvpos.cache import PositionedKV, SlotLayer, SlotTable, _common_specs
-from kvpos.rope import RopeSpec, rope_specs_from_model, unrotate
+from kvpos.rope import RopeSpec, _apply, cos_sin, rope_specs_from_model, unrotate
 
 __all__ = [
     "PositionedCache",
@@ -99,7 +99,8 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         elif self.n + key_states.shape[2] > table.n:
             fail(f"cache.update layer {self.index}", f"at most {table.n - self.n} new slots (what earlier layers added)",
                  key_states.shape[2], "all layers of one forward must receive the same tokens")
-        raw = unrotate(key_states, pos, self.spec)
+        cos, nsin = owner._unrotation_table(pos, self.spec)
+        raw = _apply(key_states, cos, nsin, self.spec, 1.0 / self.spec.attention_scaling)
         self.append(key_states, value_states, raw)
         owner._active_layer(self.index)
         return self.keys, self.values
@@ -157,6 +158,9 @@ class PositionedCache(PositionedKV, Cache):
         self._rotary = list(rotary_modules)
         self.model_id = model_id
         self.active_layer = -1
+        # per-forward memos (position tensor -> int64 [B, S]; spec -> cos/-sin), keyed by identity + _version
+        self._pos_memo: tuple | None = None
+        self._cs_memo: dict[int, tuple] = {}
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, raw_dtype: torch.dtype | None = None,
@@ -192,11 +196,25 @@ class PositionedCache(PositionedKV, Cache):
         return out
 
     # -- plumbing ------------------------------------------------------------------------------------------------
+    def _unrotation_table(self, pos: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, -sin) [B, 1, S, R/2] for `pos`, computed once per forward and spec (every layer reuses it)."""
+        hit = self._cs_memo.get(id(spec))
+        if hit is not None and hit[0] is pos and hit[3] == pos._version:
+            return hit[1], hit[2]
+        cos, sin = cos_sin(pos, spec)
+        out = (pos, cos[:, None], -sin[:, None], pos._version)
+        self._cs_memo[id(spec)] = out
+        return out[1], out[2]
+
     def _incoming_positions(self, layer: PositionedLayer, k: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """[B, S] int64 positions of the keys the model is handing over."""
+        """[B, S] int64 positions of the keys the model is handing over (one tensor object per forward)."""
         B, S = k.shape[0], k.shape[2]
         inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
         pos = inner.get("position_ids") if isinstance(inner, dict) else None
+        memo = self._pos_memo
+        if pos is not None and memo is not None and memo[0] is pos and memo[2] == pos._version \
+                and memo[1].shape == (B, S):
+            return memo[1]
         if pos is None:
             for m in self._rotary:
                 pos = getattr(m, _HOOK_ATTR, None)
@@ -209,7 +227,10 @@ class PositionedCache(PositionedKV, Cache):
         if pos.shape[-1] != S:
             # a position tensor of a different forward (stale hook) or a model slicing tokens: refuse, never guess
             fail(f"cache.update layer {layer.index}: position_ids", f"{S} positions for {S} new keys", tuple(pos.shape))
-        return pos.to(device=k.device, dtype=torch.long).expand(B, S)
+        src = pos
+        pos = pos.to(device=k.device, dtype=torch.long).expand(B, S)
+        self._pos_memo = (src, pos, src._version)  # holding `src` keeps its identity unique while memoized
+        return pos
 
     def _active_layer(self, index: int) -> None:
         self.active_layer = index

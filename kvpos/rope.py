@@ -151,14 +151,22 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec
         fail("rotate: x", f"last dim head_dim={spec.head_dim}", tuple(x.shape))
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    if out is None:
+    if out is None and not (x.requires_grad and torch.is_grad_enabled()):
         out = torch.empty_like(x)
-    if rope_apply_kernel([x], cos, sin, spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED, [out]):
+    interleaved = spec.layout is RopeLayout.INTERLEAVED
+    if out is not None and rope_apply_kernel([x], cos, sin, spec.rotary_dim, interleaved, [out]):
         return out
     xf = x if x.dtype == torch.float32 else x.float()
     a, b = _pairs(xf, spec)
     ra = a * cos - b * sin
     rb = b * cos + a * sin
+    if x.requires_grad and torch.is_grad_enabled():  # functional form: in-place writes would break autograd
+        if spec.layout is RopeLayout.HALF:
+            rot = torch.cat([ra, rb], -1)
+        else:
+            rot = torch.stack([ra, rb], -1).flatten(-2)
+        res = torch.cat([rot.to(x.dtype), x[..., spec.rotary_dim:]], -1)
+        return res if out is None else out.copy_(res)
     oa, ob = _pairs(out, spec)
     oa.copy_(ra)
     ob.copy_(rb)

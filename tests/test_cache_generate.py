@@ -102,3 +102,19 @@ def test_storage_grows_geometrically_without_reallocating_each_step():
     model.generate(_ids(S=5), cache=cache, max_new_tokens=200, min_new_tokens=200, do_sample=False)
     caps = cache.layers[0].capacity
     assert cache.num_slots == 204 and 204 <= caps <= 2 * 204
+
+
+def test_reusing_one_position_tensor_modified_in_place_is_not_served_stale():
+    """The per-forward memo of positions must notice an in-place change of the caller's position tensor."""
+    from kvpos.integrations.hf import PositionedCache
+
+    model, _ = tiny_model("llama")
+    cache = PositionedCache.from_model(model)
+    pos = torch.arange(0, 4)[None]
+    model(torch.randint(3, 128, (1, 4)), position_ids=pos, cache=cache, use_cache=True)
+    pos += 4
+    model(torch.randint(3, 128, (1, 4)), position_ids=pos, cache=cache, use_cache=True)
+    assert cache.positions.tolist() == [list(range(8))]
+    for l in cache.layers:   # rotated keys of the second forward correspond to positions 4..7
+        from kvpos import rotate
+        assert (rotate(l.raw_keys, cache.positions, l.spec) - l.keys).abs().max() < 1e-5
