@@ -202,3 +202,34 @@ def test_generate_and_extend_argument_errors():
         PositionedCache([])
     with pytest.raises(TypeError, match=r"PositionedCache specs\[0\]: expected a RopeSpec"):
         PositionedCache(["x"])
+
+
+def test_adapter_error_paths():
+    import transformers as T
+    from transformers import DynamicCache
+
+    from kvpos.integrations.hf import load_model
+
+    with pytest.raises(ValueError, match="model: expected None, 'smollm2', 'gemma3', a .gguf path or a local model"):
+        load_model("no/such/model")
+    with pytest.raises(ValueError, match="model: expected an existing .gguf file"):
+        load_model("/nonexistent/x.gguf")
+    model, cfg = tiny_model("gemma3")  # sliding layer keeps only `sliding_window` keys in a DynamicCache
+    dyn = DynamicCache(config=cfg)
+    model(torch.randint(3, 128, (1, 12)), cache=dyn, use_cache=True)
+    with pytest.raises(ValueError, match="from_dynamic layer 0: expected 12 cached keys"):
+        PositionedCache.from_dynamic(model, dyn)
+    model, cfg = tiny_model("llama")
+    dyn = DynamicCache(config=cfg)
+    model(torch.randint(3, 128, (1, 12)), cache=dyn, use_cache=True)
+    conv = PositionedCache.from_dynamic(model, dyn)
+    assert torch.equal(conv.layers[1].keys, dyn.layers[1].keys)
+    cache = PositionedCache.from_model(model)
+    # a forward whose layers receive different numbers of tokens is refused, not silently mis-recorded
+    cache.layers[0].update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), kwargs={"position_ids": torch.arange(3)[None]})
+    with pytest.raises(ValueError, match="cache.update layer 1: expected at most 3 new slots"):
+        cache.layers[1].update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
+                               kwargs={"position_ids": torch.arange(4)[None]})
+    with pytest.raises(ValueError, match=r"cache.update layer 1: position_ids: expected 4 positions for 4 new keys"):
+        cache.layers[1].update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
+                               kwargs={"position_ids": torch.arange(3)[None]})
