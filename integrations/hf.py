@@ -93,6 +93,8 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         owner = self._owner()
         pos = owner._incoming_positions(self, key_states, kwargs)
         self.spec.check_positions(pos, f"cache.update layer {self.index}: position_ids")
+        if owner._scatter is not None:
+            return self._scatter_update(owner, key_states, value_states, pos)
         table = owner.table
         if self.n == table.n:
             table.append(pos)
@@ -103,6 +105,23 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         raw = _apply(key_states, cos, nsin, self.spec, 1.0 / self.spec.attention_scaling)
         self.append(key_states, value_states, raw)
         owner._active_layer(self.index)
+        return self.keys, self.values
+
+    def _scatter_update(self, owner: "PositionedCache", k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Overwrite existing slots owner._scatter [S] with recomputed keys/values (positions must match)."""
+        slots = owner._scatter
+        if slots.numel() != k.shape[2]:
+            fail(f"cache.update layer {self.index} (recompute)", f"{slots.numel()} tokens for the chosen slots",
+                 k.shape[2])
+        if not torch.equal(owner.table.pos[:, slots.to(owner.table.pos.device)], pos):
+            fail(f"cache.update layer {self.index} (recompute)", "the positions the slots hold", pos.tolist())
+        cos, nsin = owner._unrotation_table(pos, self.spec)
+        raw = _apply(k, cos, nsin, self.spec, 1.0 / self.spec.attention_scaling)
+        idx = slots.to(self.rot_k.device)
+        self.rot_k[:, :, idx] = k.to(self.rot_k.dtype)
+        self.raw_k[:, :, idx] = raw.to(self.raw_k.dtype)
+        self.v[:, :, idx] = v.to(self.v.dtype)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -160,6 +179,7 @@ class PositionedCache(PositionedKV, Cache):
         self.active_layer = -1
         # per-forward memos (position tensor -> int64 [B, S]; spec -> cos/-sin), keyed by identity + _version
         self._pos_memo: tuple | None = None
+        self._scatter: torch.Tensor | None = None  # slots overwritten by a recompute forward (compose repairs)
         self._cs_memo: dict[int, tuple] = {}
 
     @classmethod

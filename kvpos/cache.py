@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ._checks import as_positions, check_int, check_range, fail
-from .rope import RopeSpec, _apply, _apply_many, cos_sin
+from .rope import RopeSpec, _apply_many, cos_sin
 
 __all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH"]
 
@@ -404,20 +404,34 @@ class PositionedKV:
         dev = k0.device if self.table._pos is None else self.table._pos.device
         pos = as_positions("append_raw_ positions", positions, B, S, dev)
         self._check_spec_limits(pos, "append_raw_ positions")
-        groups = self._specs()
-        cs = {}
-        for sid, (spec, idx) in groups.items():
-            c, s = cos_sin(pos, spec, device=kv[idx[0]][0].device)
-            cs[sid] = (c[:, None], s[:, None])
+        # validated: from here on nothing can fail except allocation
+        sl = slice(n, n + S)
         for l, (k, v) in zip(self.layers, kv):
-            k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
-            dtype = l.rot_k.dtype if l.rot_k is not None else k.dtype
-            c, s = cs[id(l.spec)]
-            k_rot = _apply(k, c, s, l.spec, l.spec.attention_scaling, out=torch.empty(k.shape, dtype=dtype,
-                                                                                   device=k.device))
-            l.append(k_rot, v.to(dtype), k)
+            like = k.expand(B, -1, -1, -1)
+            if l.rot_k is None:
+                l.reserve(like, v.expand(B, -1, -1, -1), n + S)
+            else:
+                l.reserve(l.rot_k[:, :, :0], l.v[:, :, :0], n + S)
+            l.raw_k[:, :, sl] = k
+            l.v[:, :, sl] = v
+        for spec, idx in self._specs().values():
+            layers = [self.layers[i] for i in idx]
+            cos, sin = cos_sin(pos, spec, device=layers[0].rot_k.device)
+            _apply_many([l.raw_k[:, :, sl] for l in layers], [l.rot_k[:, :, sl] for l in layers],
+                        cos[:, None], sin[:, None], spec)
+        for l in self.layers:
+            l.n = n + S
         self.table.append(pos, segment=segment)
-        assert all(l.n == self.table.n for l in self.layers), "append_raw_: layer/table slot counts diverged"
+        return self
+
+    def reserve_(self, slots: int) -> "PositionedKV":
+        """Grow every buffer to hold at least `slots` slots (avoids regrowth while composing a large cache)."""
+        slots = check_int("reserve_ slots", slots)
+        for l in self.layers:
+            if l.rot_k is not None:
+                l.reserve(l.rot_k[:, :, :0], l.v[:, :, :0], slots)
+        if self.table._pos is not None:
+            self.table._reserve(self.table.batch_size, slots, self.table._pos.device)
         return self
 
     # -- transformers generate protocol (batch / beam / assisted decoding) -----------------------------------------

@@ -1,0 +1,295 @@
+"""Position-independent chunk reuse: anchors, chunk encoding, compose() with fidelity repairs.
+
+Letters: A anchor tokens · S chunk tokens · Q question tokens · L layers · H kv heads · D head_dim.
+
+    anchor (BOS / system prompt / user header), cached once at positions 0..A-1, visible to every chunk
+    chunk_i encoded ONCE after the anchor at positions A..A+S_i-1 (sees anchor + itself), stored raw
+
+compose() places stored chunks in any subset and order:
+
+    sequential: | anchor 0..A-1 | c1 A..A+S1-1 | c2 A+S1..  | ... | question P.. |
+    parallel:   | anchor 0..A-1 | c1 A..A+S1-1 | c2 A..A+S2-1 | ... | question A+max(S_i).. |
+
+Repairs (optional, measured in bench/rag_eval.py):
+    link_k (EPIC LegoLink): the first k tokens of every chunk after the first are re-encoded at their final
+        positions, attending to everything placed before them (sequential layout).
+    recompute_ratio (CacheBlend): layers 0-1 are recomputed for all chunk tokens; the r% of tokens whose layer-1
+        values deviate most are carried through the remaining layers, their KV replacing the stored ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpos._checks import fail
+from kvpos.store import ChunkKV, ChunkStore, Fingerprint, MemoryBackend, model_fingerprint
+from kvpos.integrations.hf import PositionedCache, extend
+
+__all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkCache", "compose", "ComposeInfo",
+           "layout_allowed"]
+
+SEG_QUERY = 0        # question and generated tokens
+SEG_ANCHOR = 1       # the shared anchor prefix
+SEG_CHUNK0 = 16      # chunk i is labelled SEG_CHUNK0 + i (APE treats segment >= SEG_CHUNK0 as context)
+
+
+def _ids1d(what: str, ids: Any) -> torch.Tensor:
+    t = torch.as_tensor(ids)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.is_floating_point():
+        fail(what, "1-D integer token ids [S] (or [1, S])", f"{tuple(t.shape)} {t.dtype}")
+    if t.numel() == 0:
+        fail(what, "at least one token", "an empty sequence")
+    return t.long()
+
+
+@dataclass
+class Anchor:
+    """The shared prefix: ids [A] and its cache at positions 0..A-1 (segment SEG_ANCHOR)."""
+
+    ids: torch.Tensor
+    cache: PositionedCache
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.numel())
+
+    @classmethod
+    @torch.no_grad()
+    def encode(cls, model: torch.nn.Module, ids: Any) -> "Anchor":
+        ids = _ids1d("anchor ids", ids)
+        cache = PositionedCache.from_model(model)
+        extend(model, cache, ids[None], segment=SEG_ANCHOR)
+        return cls(ids, cache)
+
+
+@torch.no_grad()
+def encode_chunk(model: torch.nn.Module, anchor: Anchor, ids: Any, fingerprint: Fingerprint) -> ChunkKV:
+    """Encode one chunk after the anchor (positions A..A+S-1) and return its raw KV (the anchor's slots excluded)."""
+    ids = _ids1d("chunk ids", ids)
+    cache = anchor.cache.copy()
+    extend(model, cache, ids[None])
+    A = anchor.length
+    keys = torch.stack([l.raw_k[0, :, A:cache.num_slots] for l in cache.layers])    # [L, H, S, D]
+    values = torch.stack([l.v[0, :, A:cache.num_slots] for l in cache.layers])
+    return ChunkKV(ids.clone(), keys.contiguous(), values.contiguous(), A, fingerprint)
+
+
+class ChunkCache:
+    """A model + anchor + ChunkStore: chunks are computed on a miss and stored; `compose` builds request caches.
+
+        cc = ChunkCache(model, anchor_ids)                       # memory store by default
+        cc.precompute([ids1, ids2, ...])                         # progress bar
+        cache, info = cc.compose([ids2, ids1], layout="sequential", link_k=8)
+    """
+
+    def __init__(self, model: torch.nn.Module, anchor_ids: Any, store: ChunkStore | None = None,
+                 backend: Any = None, namespace: str = "default", **store_kw: Any) -> None:
+        self.model = model
+        self.anchor = Anchor.encode(model, anchor_ids)
+        specs = [l.spec for l in self.anchor.cache.layers]
+        self.fingerprint = model_fingerprint(model, self.anchor.ids, specs)
+        if store is None:
+            store = ChunkStore(backend or MemoryBackend(), self.fingerprint, namespace=namespace, **store_kw)
+        elif store.fingerprint != self.fingerprint:
+            fail("ChunkCache store", f"a store with fingerprint [{self.fingerprint.short()}]",
+                 f"[{store.fingerprint.short()}]", "build the store with ChunkCache's fingerprint")
+        self.store = store
+
+    def get_or_compute(self, ids: Any) -> tuple[ChunkKV, bool]:
+        """(chunk, hit): from the store, or computed now and stored."""
+        ids = _ids1d("chunk ids", ids)
+        chunk = self.store.get(ids)
+        if chunk is not None:
+            return chunk, True
+        chunk = encode_chunk(self.model, self.anchor, ids, self.fingerprint)
+        self.store.put(chunk)
+        return chunk, False
+
+    def precompute(self, chunks: Sequence[Any], progress: bool = True) -> int:
+        """Compute and store every chunk not yet stored; returns how many were computed."""
+        n = 0
+        for ids in tqdm(chunks, desc="precompute chunks", disable=not progress, unit="chunk"):
+            _, hit = self.get_or_compute(ids)
+            n += not hit
+        return n
+
+    def compose(self, chunks: Sequence[Any], layout: str = "sequential", link_k: int = 0,
+                recompute_ratio: float = 0.0) -> tuple[PositionedCache, "ComposeInfo"]:
+        """Cache for anchor + `chunks` (token ids, fetched or computed) in this order; see `compose`."""
+        t0 = time.perf_counter()
+        got = [self.get_or_compute(c) for c in chunks]
+        t_fetch = time.perf_counter() - t0
+        cache, info = compose(self.model, self.anchor, [c for c, _ in got], layout, link_k, recompute_ratio)
+        info.hits = sum(h for _, h in got)
+        info.misses = len(got) - info.hits
+        info.tokens_computed += sum(c.num_tokens for c, h in got if not h)
+        info.fetch_s = t_fetch
+        return cache, info
+
+
+@dataclass
+class ComposeInfo:
+    """What compose() did: per-chunk slot ranges and positions, tokens recomputed, timings."""
+
+    layout: str
+    slots: list[tuple[int, int]] = field(default_factory=list)      # [start, end) slot range of each chunk
+    starts: list[int] = field(default_factory=list)                 # position of each chunk's first token
+    next_position: int = 0
+    tokens_computed: int = 0
+    tokens_reused: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetch_s: float = 0.0
+    compose_s: float = 0.0
+
+
+def _check_chunks(anchor: Anchor, chunks: Sequence[ChunkKV]) -> None:
+    if not chunks:
+        fail("compose chunks", "at least one ChunkKV", "none")
+    fp = None
+    for i, c in enumerate(chunks):
+        if not isinstance(c, ChunkKV):
+            fail(f"compose chunks[{i}]", "a ChunkKV", type(c).__name__, exc=TypeError)
+        if c.start != anchor.length:
+            fail(f"compose chunks[{i}]", f"a chunk encoded after this anchor (start {anchor.length})", c.start)
+        if fp is not None and c.fingerprint != fp:
+            fail(f"compose chunks[{i}]", f"fingerprint [{fp.short()}] like chunks[0]", f"[{c.fingerprint.short()}]")
+        fp = c.fingerprint
+        if c.keys.shape[0] != len(anchor.cache.layers):
+            fail(f"compose chunks[{i}]", f"{len(anchor.cache.layers)} layers", c.keys.shape[0])
+
+
+@torch.no_grad()
+def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], layout: str = "sequential",
+            link_k: int = 0, recompute_ratio: float = 0.0) -> tuple[PositionedCache, ComposeInfo]:
+    """Build a PositionedCache holding anchor + chunks (in the given order) under `layout`; returns (cache, info).
+
+    The question is then run with `extend`/`generate`, which start at `cache.next_position()`.
+    """
+    t0 = time.perf_counter()
+    if layout not in ("sequential", "parallel"):
+        fail("compose layout", "'sequential' or 'parallel'", repr(layout))
+    if not isinstance(link_k, int) or link_k < 0:
+        fail("compose link_k", "an int >= 0", link_k)
+    if not 0.0 <= float(recompute_ratio) <= 1.0:
+        fail("compose recompute_ratio", "a fraction in [0, 1]", recompute_ratio)
+    if link_k and layout == "parallel":
+        fail("compose link_k", "0 with layout='parallel' (link tokens re-encode against the chunks placed before "
+             "them; in parallel layout nothing is placed before a chunk but the anchor)", link_k)
+    _check_chunks(anchor, chunks)
+    A = anchor.length
+    cache = anchor.cache.copy()
+    total = A + sum(c.num_tokens for c in chunks)
+    cache.reserve_(total + 64)
+    info = ComposeInfo(layout)
+    pos = A
+    for i, c in enumerate(chunks):
+        S = c.num_tokens
+        start = pos if layout == "sequential" else A
+        k = min(link_k, S) if i > 0 else 0
+        s0 = cache.num_slots
+        if k:
+            extend(model, cache, c.ids[None, :k], positions=torch.arange(start, start + k))
+            info.tokens_computed += k
+        if k < S:
+            cache.append_raw_(c.layer_kv(k, S), torch.arange(start + k, start + S))
+        cache.set_segment_(s0, cache.num_slots, SEG_CHUNK0 + i)
+        info.slots.append((s0, cache.num_slots))
+        info.starts.append(start)
+        info.tokens_reused += S - k
+        pos = start + S if layout == "sequential" else max(pos, A + S)
+    if recompute_ratio > 0:
+        n = _selective_recompute(model, cache, anchor, chunks, info, float(recompute_ratio))
+        info.tokens_computed += n
+        info.tokens_reused -= n
+    info.next_position = int(cache.next_position().max())
+    info.compose_s = time.perf_counter() - t0
+    return cache, info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# layout masks and selective recompute (CacheBlend)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def layout_allowed(info: ComposeInfo, anchor_len: int, n_query: int = 0) -> torch.Tensor:
+    """[N, N] bool mask of the composed layout (N = anchor + chunks + n_query): what each slot was allowed to see.
+
+    sequential: plain causal over slots (each chunk sees the anchor and every chunk before it) — the full-prefill
+    pattern. parallel: each chunk sees the anchor and itself (causal); the query sees everything.
+    """
+    N = (info.slots[-1][1] if info.slots else anchor_len) + n_query
+    allowed = torch.tril(torch.ones(N, N, dtype=torch.bool))
+    if info.layout == "parallel":
+        for i, (s, e) in enumerate(info.slots):
+            allowed[s:e, anchor_len:s] = False
+    return allowed
+
+
+@contextlib.contextmanager
+def _scatter_updates(cache: PositionedCache, slots: torch.Tensor) -> Iterator[None]:
+    """While active, cache.update writes the incoming S tokens into existing `slots` [S] instead of appending."""
+    cache._scatter = slots
+    try:
+        yield
+    finally:
+        cache._scatter = None
+
+
+def _decoder_layers(model: torch.nn.Module) -> tuple[Any, Any, Any]:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
+        fail("selective recompute model", "a Llama-style decoder (model.model.layers / rotary_emb / embed_tokens)",
+             type(model).__name__, "use link_k instead")
+    lt = getattr(model.config, "layer_types", None)
+    if lt and any(t != "full_attention" for t in lt):
+        fail("selective recompute model", "full-attention layers only", sorted(set(lt)), "use link_k instead")
+    return base, layers, base.rotary_emb
+
+
+def _run_layers(layers, lo: int, hi: int, hidden: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                cache: PositionedCache, slots: torch.Tensor, rotary) -> torch.Tensor:
+    pe = rotary(hidden, pos)
+    with _scatter_updates(cache, slots):
+        for i in range(lo, hi):
+            hidden = layers[i](hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                               position_embeddings=pe)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+    return hidden
+
+
+def _selective_recompute(model: torch.nn.Module, cache: PositionedCache, anchor: Anchor, chunks: Sequence[ChunkKV],
+                         info: ComposeInfo, ratio: float) -> int:
+    """CacheBlend: refresh layers 0-1 for every chunk token, pick the top `ratio` by layer-1 value deviation, carry
+    those tokens through layers 2.. (their KV replace the stored ones). Returns the number of tokens carried."""
+    base, layers, rotary = _decoder_layers(model)
+    A = anchor.length
+    N = cache.num_slots
+    slots = torch.arange(A, N)
+    ids = torch.cat([c.ids for c in chunks])[None]
+    pos = cache.positions[:, A:N]
+    allowed = layout_allowed(info, A)[A:N, :N]
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    hidden = base.embed_tokens(ids)
+    if hasattr(base, "embed_scale") or getattr(model.config, "model_type", "") == "gemma":
+        fail("selective recompute model", "no embedding scaling (Gemma)", model.config.model_type)
+    v_old = cache.layers[1].v[:, :, A:N].clone()
+    n_first = min(2, len(layers))
+    hidden = _run_layers(layers, 0, n_first, hidden, pos, mask, cache, slots, rotary)
+    if n_first == len(layers):
+        return N - A
+    dev = (cache.layers[1].v[:, :, A:N] - v_old).float().pow(2).sum(dim=(1, 3))[0]   # [N-A]
+    n_sel = max(1, int(round(ratio * (N - A))))
+    sel = torch.topk(dev, n_sel).indices.sort().values
+    sub_mask = mask[:, :, sel]
+    _run_layers(layers, n_first, len(layers), hidden[:, sel], pos[:, sel], sub_mask, cache, slots[sel], rotary)
+    return n_sel

@@ -1,0 +1,148 @@
+"""Chunk reuse: compose() against the independent reference forward; link/selective recompute limits."""
+import pytest
+import torch
+
+from kvpos.integrations.compose import SEG_ANCHOR, SEG_CHUNK0, Anchor, ChunkCache, compose, encode_chunk
+from kvpos.integrations.hf import PositionedCache, extend, forward_reference, generate
+from kvpos.integrations.testing import tiny_model
+from kvpos.store import model_fingerprint
+
+
+def _setup(arch="llama", n_chunks=3, seed=0):
+    model = tiny_model(arch)[0]
+    g = torch.Generator().manual_seed(seed)
+    anchor = torch.randint(3, 128, (5,), generator=g)
+    chunks = [torch.randint(3, 128, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g)
+              for _ in range(n_chunks)]
+    q = torch.randint(3, 128, (1, 4), generator=g)
+    return model, anchor, chunks, q
+
+
+def _reference(model, anchor, chunks, q, layout):
+    """One forward reproducing how the composed cache was computed.
+
+    Chunk i was encoded after the anchor at positions A.. and then moved by delta_i; by RoPE relativity that equals
+    encoding it after a copy of the anchor placed at delta_i... So the reference sequence is
+    [anchor | (anchor copy_i, chunk_i) for each i | query], where chunk_i sees its copy and itself, the copies are
+    invisible to the query, and the query sees the anchor, every chunk and itself."""
+    A = anchor.numel()
+    segs, p = [], A                                # (ids, positions, kind, owner)
+    segs.append((anchor, torch.arange(A), "anchor"))
+    for c in chunks:
+        L = c.numel()
+        start = p if layout == "sequential" else A
+        d = start - A
+        segs.append((anchor, torch.arange(d, d + A), "copy"))
+        segs.append((c, torch.arange(start, start + L), "chunk"))
+        p = start + L if layout == "sequential" else max(p, A + L)
+    segs.append((q[0], torch.arange(p, p + q.shape[1]), "query"))
+    ids = torch.cat([x for x, _, _ in segs])[None]
+    pos = torch.cat([x for _, x, _ in segs])[None]
+    N = ids.shape[1]
+    allowed = torch.zeros(N, N, dtype=torch.bool)
+    bounds, s = [], 0
+    for x, _, kind in segs:
+        bounds.append((s, s + x.numel(), kind))
+        s += x.numel()
+    for j, (s0, e0, kind) in enumerate(bounds):
+        allowed[s0:e0, s0:e0] = torch.tril(torch.ones(e0 - s0, e0 - s0, dtype=torch.bool))
+        if kind == "chunk":
+            cs, ce, _ = bounds[j - 1]
+            allowed[s0:e0, cs:ce] = True
+        if kind == "query":
+            for s1, e1, k1 in bounds[:-1]:
+                if k1 != "copy":
+                    allowed[s0:e0, s1:e1] = True
+    return forward_reference(model, ids, pos, allowed[None, None])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "phi3", "cohere", "gpt_neox"])
+@pytest.mark.parametrize("layout", ["sequential", "parallel"])
+def test_compose_equals_block_masked_reference(arch, layout):
+    over = {"sliding_window": 4096} if arch == "gemma3" else {}
+    model = tiny_model(arch, **over)[0]
+    _, anchor, chunks, q = _setup()
+    cc = ChunkCache(model, anchor)
+    order = [2, 0, 1]
+    cache, info = cc.compose([chunks[i] for i in order], layout=layout)
+    got = extend(model, cache, q)
+    ref = _reference(model, anchor, [chunks[i] for i in order], q, layout)
+    assert (got - ref[:, -4:]).abs().max() < 1e-4
+    assert info.misses == 3 and info.hits == 0
+    seg = cache.segments[0]
+    assert (seg[:5] == SEG_ANCHOR).all() and int(seg[5]) == SEG_CHUNK0
+    # the second request is served from the store
+    _, info2 = cc.compose([chunks[1], chunks[2]], layout=layout)
+    assert info2.hits == 2 and info2.misses == 0
+
+
+def test_link_recompute_of_all_tokens_equals_full_prefill():
+    model, anchor, chunks, q = _setup(n_chunks=4)
+    cc = ChunkCache(model, anchor)
+    cache, info = cc.compose(chunks, layout="sequential", link_k=10 ** 6)
+    got = extend(model, cache, q)
+    full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits
+    assert (got - full[:, -4:]).abs().max() < 1e-4
+    # every chunk was a miss (encoded once) and every chunk after the first was re-encoded as link tokens
+    assert info.tokens_computed == sum(c.numel() for c in chunks) + sum(c.numel() for c in chunks[1:])
+
+
+def test_link_recompute_changes_only_the_link_tokens_and_improves_fidelity():
+    model, anchor, chunks, q = _setup(n_chunks=4, seed=3)
+    full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits[:, -4:]
+    cc = ChunkCache(model, anchor)
+    errs = []
+    for k in (0, 2, 4):
+        cache, info = cc.compose(chunks, layout="sequential", link_k=k)
+        errs.append((extend(model, cache, q) - full).abs().max().item())
+        assert info.tokens_reused == sum(c.numel() for c in chunks) - k * 3
+    assert errs[2] < errs[0], f"link recompute should move toward full prefill: {errs}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_selective_recompute_of_everything_equals_full_prefill(arch):
+    model, anchor, chunks, q = _setup(arch)
+    cc = ChunkCache(model, anchor)
+    cache, info = cc.compose(chunks, layout="sequential", recompute_ratio=1.0)
+    got = extend(model, cache, q)
+    full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits
+    assert (got - full[:, -4:]).abs().max() < 1e-4
+
+
+def test_selective_recompute_partial_ratio_runs_and_lies_between():
+    model, anchor, chunks, q = _setup(n_chunks=4, seed=2)
+    full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits[:, -4:]
+    cc = ChunkCache(model, anchor)
+    errs = {}
+    for r in (0.0, 0.5):
+        cache, info = cc.compose(chunks, layout="sequential", recompute_ratio=r)
+        errs[r] = (extend(model, cache, q) - full).abs().max().item()
+    assert errs[0.5] < errs[0.0]
+
+
+def test_compose_errors():
+    model, anchor, chunks, q = _setup()
+    cc = ChunkCache(model, anchor)
+    with pytest.raises(ValueError, match="compose layout: expected 'sequential' or 'parallel', got 'diagonal'"):
+        cc.compose(chunks, layout="diagonal")
+    with pytest.raises(ValueError, match="compose link_k: expected 0 with layout='parallel'"):
+        cc.compose(chunks, layout="parallel", link_k=2)
+    with pytest.raises(ValueError, match=r"compose recompute_ratio: expected a fraction in \[0, 1\], got 1.5"):
+        cc.compose(chunks, recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="compose chunks: expected at least one ChunkKV"):
+        compose(model, cc.anchor, [])
+    other = Anchor.encode(model, anchor[:3])
+    c = encode_chunk(model, other, chunks[0], model_fingerprint(model, anchor[:3]))
+    with pytest.raises(ValueError, match=r"compose chunks\[0\]: expected a chunk encoded after this anchor \(start 5\), got 3"):
+        compose(model, cc.anchor, [c])
+    with pytest.raises(ValueError, match=r"chunk ids: expected 1-D integer token ids"):
+        cc.compose([torch.ones(3)])
+
+
+def test_generate_after_compose_matches_reference_loop():
+    model, anchor, chunks, q = _setup(n_chunks=2)
+    cc = ChunkCache(model, anchor)
+    cache, _ = cc.compose(chunks, layout="sequential", link_k=100)
+    out = generate(model, cache, q, max_new_tokens=6, do_sample=False)
+    full = model.generate(torch.cat([anchor, *chunks, q[0]])[None], max_new_tokens=6, do_sample=False)
+    assert out[0, 4:].tolist() == full[0, -6:].tolist()

@@ -1,0 +1,207 @@
+"""ChunkStore backends: bit-exact round trips, fingerprints, damage detection, concurrency, budgets, real Redis."""
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+from kvpos.store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
+                         MemoryBackend, RedisBackend, StoreUnavailable, content_key, deserialize, serialize)
+
+FP = Fingerprint(model="m" * 64, weights="w" * 64, dtype="float32", anchor="a" * 64, rope="r" * 64)
+
+
+def _chunk(seed=0, S=7, dtype=torch.float32, fp=FP):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (S,), generator=g)
+    return ChunkKV(ids, torch.randn(3, 2, S, 8, generator=g).to(dtype), torch.randn(3, 2, S, 8, generator=g).to(dtype),
+                   5, fp)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server on 127.0.0.1 (Debian package). Missing binary = failure, not a skip."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server not found: install the Debian package redis-server (make test / .ci/run do it)")
+    port = _free_port()
+    d = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            if RedisBackend(port=port, timeout_s=0.2).ping():
+                break
+        except StoreUnavailable:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("redis-server did not start")
+    yield port
+    proc.terminate()
+    proc.wait(5)
+
+
+def _backends(tmp_path, port):
+    return {"memory": MemoryBackend(1 << 20), "disk": DiskBackend(tmp_path / "store"),
+            "redis": RedisBackend(port=port, prefix=f"t{os.getpid()}:")}
+
+
+@pytest.mark.parametrize("name", ["memory", "disk", "redis"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_exact(tmp_path, redis_server, name, dtype):
+    store = ChunkStore(_backends(tmp_path, redis_server)[name], FP, namespace=f"rt-{dtype}")
+    c = _chunk(dtype=dtype)
+    assert store.get(c.ids) is None
+    store.put(c)
+    got = store.get(c.ids)
+    assert torch.equal(got.ids, c.ids) and torch.equal(got.keys, c.keys) and torch.equal(got.values, c.values)
+    assert got.keys.dtype == dtype and got.start == 5 and got.fingerprint == FP
+    assert store.stats.hits == 1 and store.stats.misses == 1
+
+
+@pytest.mark.parametrize("name", ["memory", "disk", "redis"])
+@pytest.mark.parametrize("field", ["model", "dtype", "anchor", "format"])
+def test_chunk_from_another_model_dtype_or_anchor_is_refused_naming_both(tmp_path, redis_server, name, field):
+    backend = _backends(tmp_path, redis_server)[name]
+    ChunkStore(backend, FP, namespace="fp").put(_chunk())
+    other = Fingerprint(**{**FP.__dict__, field: ("b" * 64 if field != "format" else 2)
+                           if field not in ("dtype",) else "bfloat16"})
+    store = ChunkStore(backend, other, namespace="fp")
+    with pytest.raises(FingerprintMismatch, match=r"computed with \[model=mmmmmmmmmm.*\], this store serves \[") as e:
+        store.get(_chunk().ids)
+    assert FP.short() in str(e.value) and other.short() in str(e.value)
+    lenient = ChunkStore(backend, other, namespace="fp", on_mismatch="recompute")
+    assert lenient.get(_chunk().ids) is None and lenient.stats.mismatches == 1
+
+
+def test_truncated_or_altered_file_is_detected_reported_and_not_used(tmp_path):
+    backend = DiskBackend(tmp_path)
+    store = ChunkStore(backend, FP)
+    c = _chunk()
+    for damage in ("truncate", "flip", "garbage"):
+        store.put(c)
+        path = backend.path(store.key(c.ids))
+        blob = open(path, "rb").read()
+        if damage == "truncate":
+            blob = blob[: len(blob) // 2]
+        elif damage == "flip":
+            blob = blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:]
+        else:
+            blob = b"not a safetensors file at all"
+        open(path, "wb").write(blob)
+        with pytest.raises(CorruptChunkError):
+            ChunkStore(backend, FP, strict=True).get(c.ids)
+        assert store.get(c.ids) is None, damage               # not used
+        assert store.stats.events[-1]["kind"] == "corrupt"    # reported
+        assert not os.path.exists(path)                       # removed, so the next put repairs it
+    assert store.stats.corrupt == 3
+
+
+def test_altered_redis_value_is_detected(redis_server):
+    backend = RedisBackend(port=redis_server, prefix="alter:")
+    store = ChunkStore(backend, FP)
+    c = _chunk(3)
+    store.put(c)
+    key = backend.prefix + store.key(c.ids)
+    blob = backend.client.get(key)
+    backend.client.set(key, blob[:-4] + b"\x00\x00\x00\x00")
+    assert store.get(c.ids) is None and store.stats.corrupt == 1
+
+
+def _writer(kind, where, seed, n):
+    backend = DiskBackend(where) if kind == "disk" else RedisBackend(port=where, prefix="race:")
+    store = ChunkStore(backend, FP, namespace="race")
+    c = _chunk(seed=0, S=256)
+    for _ in range(n):
+        store.put(c)
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_two_processes_writing_the_same_chunk_leave_one_valid_entry(tmp_path, redis_server, kind):
+    where = str(tmp_path / "race") if kind == "disk" else redis_server
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(kind, where, i, 15)) for i in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    backend = DiskBackend(where) if kind == "disk" else RedisBackend(port=where, prefix="race:")
+    got = ChunkStore(backend, FP, namespace="race", strict=True).get(_chunk(S=256).ids)
+    assert got is not None and torch.equal(got.keys, _chunk(S=256).keys)
+    if kind == "disk":
+        files = [f for _, _, fs in os.walk(where) for f in fs]
+        assert len(files) == 1 and files[0].endswith(".safetensors"), files
+
+
+def test_memory_budget_is_never_exceeded():
+    one = _chunk(S=64).nbytes()
+    backend = MemoryBackend(max_bytes=int(one * 3.5))
+    store = ChunkStore(backend, FP)
+    for i in range(20):
+        store.put(_chunk(seed=i, S=64))
+        assert backend.bytes <= backend.max_bytes
+    assert len(backend) == 3 and backend.evictions == 17
+    assert store.get(_chunk(seed=19, S=64).ids) is not None       # most recent kept
+    assert store.get(_chunk(seed=0, S=64).ids) is None            # oldest evicted
+    assert not backend.put("big", _chunk(S=1024))                   # larger than the budget: refused, not stored
+    assert backend.bytes <= backend.max_bytes
+
+
+def test_redis_unreachable_gives_a_clear_error_or_a_reported_recompute():
+    port = _free_port()   # nothing listens here
+    store = ChunkStore(RedisBackend(port=port, timeout_s=0.5), FP)
+    with pytest.raises(StoreUnavailable, match=rf"redis get: expected a redis-server at 127.0.0.1:{port}/0.*"
+                                               r"on_unavailable='recompute'"):
+        store.get(_chunk().ids)
+    lenient = ChunkStore(RedisBackend(port=port, timeout_s=0.5), FP, on_unavailable="recompute")
+    assert lenient.get(_chunk().ids) is None
+    assert lenient.put(_chunk()) is False
+    assert lenient.stats.unavailable == 2
+
+
+def test_store_argument_errors():
+    with pytest.raises(ValueError, match="ChunkStore on_mismatch: expected 'error' or 'recompute', got 'ignore'"):
+        ChunkStore(MemoryBackend(), FP, on_mismatch="ignore")
+    with pytest.raises(TypeError, match="ChunkStore fingerprint: expected a Fingerprint"):
+        ChunkStore(MemoryBackend(), "fp")
+    with pytest.raises(ValueError, match="MemoryBackend max_bytes: expected a positive int"):
+        MemoryBackend(0)
+    with pytest.raises(ValueError, match=r"ChunkStore.put chunk: expected fingerprint"):
+        ChunkStore(MemoryBackend(), FP).put(_chunk(fp=Fingerprint("x", "y", "z", "a", "r")))
+    with pytest.raises(CorruptChunkError, match="expected kvpos format 1"):
+        from safetensors.torch import save
+        deserialize(save({"ids": torch.zeros(1)}, metadata={"format": "9"}))
+    with pytest.raises(ValueError, match=r"ChunkKV.values: expected \[L, H, S, D\]"):
+        ChunkKV(torch.zeros(2, dtype=torch.long), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 3, 4), 0, FP)
+    assert content_key(torch.tensor([1, 2]), "ns").startswith("ns-")
+    assert deserialize(serialize(_chunk())).fingerprint == FP
+
+
+def test_chunk_store_with_a_real_model_fingerprint(tmp_path):
+    """A chunk made with another anchor is refused by a ChunkCache sharing the disk store's namespace."""
+    from kvpos.integrations.compose import ChunkCache
+    from kvpos.integrations.testing import tiny_model
+
+    model = tiny_model("llama")[0]
+    backend = DiskBackend(tmp_path)
+    a = ChunkCache(model, torch.tensor([1, 5, 6]), backend=backend)
+    ids = torch.tensor([7, 8, 9, 10])
+    a.precompute([ids], progress=False)
+    b = ChunkCache(model, torch.tensor([1, 5, 7]), backend=backend)
+    with pytest.raises(FingerprintMismatch, match="anchor="):
+        b.get_or_compute(ids)
+    c = ChunkCache(model.to(torch.bfloat16), torch.tensor([1, 5, 6]), backend=backend)
+    with pytest.raises(FingerprintMismatch, match="dtype=bfloat16"):
+        c.get_or_compute(ids)
