@@ -190,21 +190,22 @@ def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], l
     cache.reserve_(total + 64)
     info = ComposeInfo(layout)
     pos = A
+    link_slots, link_ids = [], []
     for i, c in enumerate(chunks):
         S = c.num_tokens
         start = pos if layout == "sequential" else A
-        k = min(link_k, S) if i > 0 else 0
         s0 = cache.num_slots
-        if k:
-            extend(model, cache, c.ids[None, :k], positions=torch.arange(start, start + k))
-            info.tokens_computed += k
-        if k < S:
-            cache.append_raw_(c.layer_kv(k, S), torch.arange(start + k, start + S))
-        cache.set_segment_(s0, cache.num_slots, SEG_CHUNK0 + i)
+        cache.append_raw_(c.layer_kv(), torch.arange(start, start + S), segment=SEG_CHUNK0 + i)
+        k = min(link_k, S) if i > 0 else 0
+        link_slots.append(torch.arange(s0, s0 + k))
+        link_ids.append(c.ids[:k])
         info.slots.append((s0, cache.num_slots))
         info.starts.append(start)
         info.tokens_reused += S - k
         pos = start + S if layout == "sequential" else max(pos, A + S)
+    if link_k:
+        slots = torch.cat(link_slots)
+        info.tokens_computed += _recompute_slots(model, cache, slots, torch.cat(link_ids), info, A)
     if recompute_ratio > 0:
         n = _selective_recompute(model, cache, anchor, chunks, info, float(recompute_ratio))
         info.tokens_computed += n
@@ -240,6 +241,23 @@ def _scatter_updates(cache: PositionedCache, slots: torch.Tensor) -> Iterator[No
         yield
     finally:
         cache._scatter = None
+
+
+def _recompute_slots(model: torch.nn.Module, cache: PositionedCache, slots: torch.Tensor, ids: torch.Tensor,
+                     info: ComposeInfo, anchor_len: int) -> int:
+    """Re-encode the tokens at `slots` (all layers) in ONE forward, each attending to what the layout lets it see
+    (sequential: every slot before it); their new KV overwrite the stored ones. Equivalent to re-encoding them one
+    chunk after another, since a chunk's link tokens only see slots placed before them. Returns len(slots)."""
+    if slots.numel() == 0:
+        return 0
+    N = cache.num_slots
+    allowed = layout_allowed(info, anchor_len)[slots][:, :N]
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    pos = cache.positions[:, slots]
+    with _scatter_updates(cache, slots):
+        model(input_ids=ids[None], position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+    return int(slots.numel())
 
 
 def _decoder_layers(model: torch.nn.Module) -> tuple[Any, Any, Any]:

