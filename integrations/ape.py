@@ -194,6 +194,12 @@ def encode_chunks_batched(model: torch.nn.Module, anchor: Anchor, chunks: list[t
     ids = [torch.as_tensor(c, dtype=torch.long).flatten() for c in chunks]
     A = anchor.length
     lengths = [int(c.numel()) for c in ids]
+    window = getattr(model.config, "sliding_window", None)
+    if window and "sliding_attention" in (getattr(model.config, "layer_types", None) or []) \
+            and A + max(lengths) > window:
+        fail("encode_chunks_batched", f"anchor + longest chunk <= sliding_window={window}",
+             A + max(lengths), "one 4-D mask serves every layer and cannot express the sliding window; "
+             "encode the chunks one by one (encode_chunk)")
     cache = anchor.cache.copy()
     pos = torch.cat([torch.arange(A, A + L) for L in lengths])
     allowed = block_diagonal_allowed(lengths, A)[None, None]

@@ -75,20 +75,16 @@ def ape_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ctx: tor
 
     Context part: scores / T -> (O_C, LSE_C); other part: plain scores -> (O_O, LSE_O);
     [w_C, w_O] = softmax([S * T * LSE_C, LSE_O]); out = w_C O_C + w_O O_O.
-    is_ctx: [T] bool (which keys are context slots); allowed: [B|1, 1, S, T] bool.
+    is_ctx: [T] or [B, T] bool (which keys are context slots); allowed: [B|1, 1, S, T] bool.
     """
     sm = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    ctx = allowed & is_ctx.view(1, 1, 1, -1)
-    oth = allowed & ~is_ctx.view(1, 1, 1, -1)
+    c = is_ctx.reshape(-1, 1, 1, is_ctx.shape[-1])
+    ctx, oth = allowed & c, allowed & ~c
     o_c, lse_c = attend_ref(q, k, v, ctx, sm / temperature)
     o_o, lse_o = attend_ref(q, k, v, oth, sm)
-    a = scale * temperature * lse_c
-    m = torch.maximum(a, lse_o)
-    wc, wo = torch.exp(a - m), torch.exp(lse_o - m)
-    wc, wo = torch.nan_to_num(wc), torch.nan_to_num(wo)
-    z = wc + wo
-    o_c, o_o = torch.nan_to_num(o_c), torch.nan_to_num(o_o)
-    return (wc / z)[..., None] * o_c + (wo / z)[..., None] * o_o
+    w = torch.softmax(torch.stack([scale * temperature * lse_c, lse_o]), 0)   # [2, B, Hq, S]
+    w = torch.nan_to_num(w)
+    return w[0][..., None] * torch.nan_to_num(o_c) + w[1][..., None] * torch.nan_to_num(o_o)
 
 
 def windowed_score_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, r: int, spec: RopeSpec) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""APE attention backend: identity at T=S=1, the formula vs a float64 reference, batched chunk prefill, plumbing."""
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvpos.integrations import ape
+from kvpos.integrations.ape import (NAME, ape_attend, ape_extend, ape_generate, block_diagonal_allowed,
+                                    encode_chunks_batched, use_ape)
+from kvpos.integrations.compose import ChunkCache, encode_chunk
+from kvpos.integrations.hf import extend, generate
+from kvpos.integrations.testing import tiny_model
+from kvpos.reference import ape_merge_ref
+
+
+def _setup(arch="llama", n=4, seed=0):
+    model = tiny_model(arch)[0]
+    g = torch.Generator().manual_seed(seed)
+    anchor = torch.randint(3, 128, (5,), generator=g)
+    chunks = [torch.randint(3, 128, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
+    q = torch.randint(3, 128, (1, 4), generator=g)
+    return model, anchor, chunks, q
+
+
+def test_backend_and_mask_function_are_both_registered():
+    assert NAME in AttentionInterface._global_mapping
+    assert NAME in AttentionMaskInterface._global_mapping   # without it transformers passes attention_mask=None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "phi3"])
+def test_t_s_one_equals_plain_parallel_attention(arch):
+    model, anchor, chunks, q = _setup(arch)
+    cc = ChunkCache(model, anchor)
+    plain_cache, _ = cc.compose(chunks, layout="parallel")
+    plain = extend(model, plain_cache, q)
+    ape_cache, _ = cc.compose(chunks, layout="parallel")
+    got = ape_extend(model, ape_cache, q, temperature=1.0, scale=1.0)
+    assert (got - plain).abs().max() < 1e-5
+    assert model.config._attn_implementation == "sdpa"   # restored
+    changed = ape_extend(model, cc.compose(chunks, layout="parallel")[0], q, temperature=0.6, scale=0.8)
+    assert (changed - plain).abs().max() > 1e-2         # the knobs do something
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ape_merge_equals_float64_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, H, g_, Lq, N, D = 2, 2, 3, 5, 23, 16
+    q = torch.randn(B, H * g_, Lq, D, generator=g)
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    is_ctx = torch.zeros(B, N, dtype=torch.bool)
+    is_ctx[:, 4:15] = True
+    allowed = torch.rand(B, 1, Lq, N, generator=g) > 0.3
+    allowed[..., 0] = True
+    T, S = float(torch.empty(1).uniform_(0.3, 1.5, generator=g)), float(torch.empty(1).uniform_(0.3, 1.5, generator=g))
+    got = ape_attend(q, k, v, allowed, is_ctx, 0.25, T, S)
+    ref = ape_merge_ref(q, k, v, is_ctx, allowed, T, S, sm_scale=0.25)
+    assert (got.double() - ref).abs().max() < 1e-5
+    # query rows that are context slots get plain attention
+    qc = torch.zeros(B, Lq, dtype=torch.bool)
+    qc[:, 1] = True
+    mixed = ape_attend(q, k, v, allowed, is_ctx, 0.25, T, S, q_is_ctx=qc)
+    plain = ape_merge_ref(q, k, v, is_ctx, allowed, 1.0, 1.0, sm_scale=0.25)
+    assert (mixed[:, :, 1].double() - plain[:, :, 1]).abs().max() < 1e-5
+    assert (mixed[:, :, 0].double() - ref[:, :, 0]).abs().max() < 1e-5
+
+
+def test_groups_may_be_empty():
+    q, k, v = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    allowed = torch.ones(1, 1, 2, 6, dtype=torch.bool)
+    for ctx in (torch.zeros(1, 6, dtype=torch.bool), torch.ones(1, 6, dtype=torch.bool)):
+        got = ape_attend(q, k, v, allowed, ctx, 0.3, 0.7, 0.9)
+        ref = ape_merge_ref(q, k, v, ctx, allowed, 0.7, 0.9, sm_scale=0.3)
+        assert torch.isfinite(got).all() and (got.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "cohere"])
+def test_batched_chunk_prefill_equals_per_chunk_prefill(arch):
+    model, anchor, chunks, q = _setup(arch, n=5)
+    if arch == "gemma3":   # the default tiny window (8) is shorter than anchor + chunk: refused, with the reason
+        with pytest.raises(ValueError, match="encode_chunks_batched: expected anchor \\+ longest chunk <= sliding"):
+            encode_chunks_batched(model, ChunkCache(model, anchor).anchor, chunks, None)
+        model = tiny_model(arch, sliding_window=64)[0]
+    cc = ChunkCache(model, anchor)
+    batched = encode_chunks_batched(model, cc.anchor, chunks, cc.fingerprint)
+    for c, b in zip(chunks, batched):
+        one = encode_chunk(model, cc.anchor, c, cc.fingerprint)
+        assert torch.equal(one.ids, b.ids)
+        assert (one.keys - b.keys).abs().max() < 1e-5 and (one.values - b.values).abs().max() < 1e-5
+
+
+def test_block_diagonal_mask_matches_a_loop_reference():
+    lens, P = [3, 1, 4], 2
+    m = block_diagonal_allowed(lens, P)
+    starts = [0, 3, 4]
+    for t in range(8):
+        ci = max(i for i, s in enumerate(starts) if s <= t)
+        for j in range(P + 8):
+            want = j < P or (starts[ci] <= j - P <= t)
+            assert bool(m[t, j]) == want
+    with pytest.raises(ValueError, match="block_diagonal_allowed lengths: expected a non-empty list of positive"):
+        block_diagonal_allowed([2, 0])
+
+
+def test_parameters_pass_through_generate():
+    model, anchor, chunks, q = _setup()
+    cc = ChunkCache(model, anchor)
+    cache, _ = cc.compose(chunks, layout="parallel")
+    out = ape_generate(model, cache, q, temperature=0.8, scale=0.9, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 9)
+    assert cache.ape is None and model.config._attn_implementation == "sdpa"
+    # plain generate with APE knobs as kwargs is refused by transformers: the side channel is the supported path
+    with pytest.raises(ValueError, match="model_kwargs. are not used"):
+        model.generate(q, max_new_tokens=2, ape_temperature=0.8)
+
+
+def test_ape_argument_errors():
+    model, anchor, chunks, q = _setup()
+    cache, _ = ChunkCache(model, anchor).compose(chunks, layout="parallel")
+    with pytest.raises(ValueError, match="APE temperature: expected a finite float > 0, got 0"):
+        ape_extend(model, cache, q, temperature=0)
+    with pytest.raises(ValueError, match="APE scale: expected a finite float > 0, got nan"):
+        ape_extend(model, cache, q, scale=float("nan"))
+    with pytest.raises(TypeError, match="use_ape cache: expected a PositionedCache"):
+        with use_ape(model, object()):
+            pass
+
+
+@pytest.mark.skipif(not ape.xformers_available(), reason="xformers path needs CUDA + the kvpos[xformers] extra")
+def test_xformers_path_equals_torch_path_on_cuda():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 5, 64, generator=g).cuda().half()
+    k, v = torch.randn(1, 2, 300, 64, generator=g).cuda().half(), torch.randn(1, 2, 300, 64, generator=g).cuda().half()
+    ctx = torch.zeros(1, 300, dtype=torch.bool, device="cuda")
+    ctx[:, 10:250] = True
+    allowed = torch.ones(1, 1, 5, 300, dtype=torch.bool, device="cuda")
+    a = ape._ape_xformers(q, k, v, allowed, ctx, 0.125, 0.8, 0.9)
+    b = ape_attend(q, k, v, allowed, ctx, 0.125, 0.8, 0.9)
+    assert (a.float() - b.float()).abs().max() < 2e-2
