@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--scale", type=float, default=None)
     ap.add_argument("--sweep", action="store_true", help="APE T/S sweep (with --ape)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="keep only these base methods (full is always kept), e.g. --only parallel for a sweep")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
@@ -170,6 +172,8 @@ def main() -> None:
             ape_params = {f"ape_T{t}_S{s}": {"temperature": t, "scale": s}
                           for t in (0.5, 0.7, 0.9, 1.0) for s in (0.5, 0.7, 0.9, 1.0)}
     methods = build_methods(model, cc, a.link_k, a.ratio, ape_params)
+    if a.only is not None:
+        methods = [m for m in methods if m.name == "full" or m.name in a.only or m.name.startswith("ape")]
     res = evaluate(model, tok, builder, methods, items, a.max_new)
     n_q = sum(1 for i in items if i.get("task") != "continuation")
     rows = [{"method": k, **v} for k, v in res.items()]

@@ -1,0 +1,144 @@
+"""Code edits without re-prefill: an editing session over a document's token ids and its PositionedCache.
+
+Strategies (per call):
+  full    re-encode the whole edited document (the reference)
+  pie     Positional Integrity Encoding: keep the untouched segments' KV, move each by its cumulative shift (one
+          rotation of the raw keys, values unchanged), encode only the new tokens on top of what precedes them
+  naive   "conflict fast" reuse: splice the encoded new tokens in and leave the old positions as they were
+          (duplicated / gapped positions)
+  pie+k   pie, and also re-encode the k tokens after every edit (their context changed the most)
+
+Every update builds a new cache from the old one's raw KV (the old cache is only read), so a failure leaves the
+session exactly as it was.
+
+    s = EditSession(model, ids)                          # prefills the document
+    r = s.apply([Insert(120, new_ids)], "pie")           # r.update_s, r.tokens_encoded
+    s.apply_text(tok, new_source_text, "pie+k", k=8)     # re-tokenize, diff on tokens, apply
+    line_ids = s.generate(max_new_tokens=32)             # continue at the end (or cursor=...)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvpos._checks import check_int, fail
+from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen
+from kvpos.integrations.hf import PositionedCache, extend, generate
+
+__all__ = ["EditSession", "EditResult", "STRATEGIES"]
+
+STRATEGIES = ("full", "pie", "naive", "pie+k")
+
+
+@dataclass
+class EditResult:
+    strategy: str
+    update_s: float          # wall time to bring the cache up to date
+    tokens_encoded: int      # tokens run through the model
+    tokens_reused: int       # tokens whose KV was kept (moved or not)
+    edits: int
+
+
+def _ids(what: str, ids: Any) -> torch.Tensor:
+    t = torch.as_tensor(ids)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.is_floating_point():
+        fail(what, "1-D integer token ids", f"{tuple(t.shape)} {t.dtype}")
+    return t.long()
+
+
+class EditSession:
+    """A document (token ids [n]) and its cache (slot j = token j at position j after full/pie updates)."""
+
+    def __init__(self, model: torch.nn.Module, ids: Any, cache: PositionedCache | None = None) -> None:
+        self.model = model
+        self.ids = _ids("EditSession ids", ids)
+        if self.ids.numel() == 0:
+            fail("EditSession ids", "at least one token", "an empty document")
+        if cache is None:
+            cache = PositionedCache.from_model(model)
+            with torch.no_grad():
+                extend(model, cache, self.ids[None])
+        elif cache.num_slots != self.ids.numel():
+            fail("EditSession cache", f"{self.ids.numel()} slots (one per token)", cache.num_slots)
+        self.cache = cache
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.numel())
+
+    # -- edits -----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply(self, edits: Sequence[Replace] | Replace, strategy: str = "pie", k: int = 8) -> EditResult:
+        """Apply edits (token indices of the current document) with `strategy`; the session moves to the new doc."""
+        if strategy not in STRATEGIES:
+            fail("apply strategy", f"one of {STRATEGIES}", repr(strategy))
+        k = check_int("apply k", k)
+        if k < 0:
+            fail("apply k", "an int >= 0", k)
+        edits = normalize(edits, self.length)
+        new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
+        if new_ids.numel() == 0:
+            fail("edits", "a non-empty document after editing", "every token deleted")
+        t0 = time.perf_counter()
+        if strategy == "full":
+            cache = PositionedCache.from_model(self.model)
+            extend(self.model, cache, new_ids[None])
+            enc, reused = new_ids.numel(), 0
+        else:
+            if strategy == "pie+k":
+                edits = widen(self.ids, edits, k)
+            cache, enc, reused = self._splice(edits, fix_positions=strategy != "naive")
+        dt = time.perf_counter() - t0
+        self.ids, self.cache = new_ids, cache
+        return EditResult(strategy, dt, int(enc), int(reused), len(edits))
+
+    def apply_text(self, tokenizer: Any, new_text: str, strategy: str = "pie", k: int = 8,
+                   add_special_tokens: bool = False) -> EditResult:
+        """Re-tokenize the whole new text, diff on tokens (tokenization can change around an edit) and apply."""
+        if not isinstance(new_text, str):
+            fail("apply_text new_text", "a str", type(new_text).__name__, exc=TypeError)
+        new = tokenizer(new_text, add_special_tokens=add_special_tokens).input_ids
+        return self.apply(diff_tokens(self.ids, new), strategy, k)
+
+    def _splice(self, edits: list[Replace], fix_positions: bool) -> tuple[PositionedCache, int, int]:
+        """New cache = untouched segments' raw KV (moved, or not for naive) + new tokens encoded in document order."""
+        old = self.cache
+        old._check_idle("apply")
+        new = old.empty_like()
+        pieces = plan(self.length, edits)
+        new.reserve_(sum(p.length for p in pieces) + 16)
+        enc = reused = 0
+        for p in pieces:
+            if p.kind == "keep":
+                s, e = p.old_start, p.old_start + p.length
+                pos = old.table.pos[:, s:e] + (p.shift if fix_positions else 0)
+                new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
+                reused += p.length
+            else:
+                start = p.new_start
+                extend(self.model, new, torch.tensor([p.ids]), positions=torch.arange(start, start + p.length))
+                enc += p.length
+        return new, enc, reused
+
+    # -- continuing ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, max_new_tokens: int = 32, cursor: int | None = None, **gen_kwargs: Any) -> torch.Tensor:
+        """Greedy (by default) continuation at the end of the document, or after token `cursor` (tokens >= cursor
+        are ignored). The session is unchanged. Returns the generated ids [new]."""
+        n = self.length
+        c = n if cursor is None else check_int("generate cursor", cursor)
+        if not 1 <= c <= n:
+            fail("generate cursor", f"1 <= cursor <= len(doc)={n}", c)
+        cache = self.cache.copy()
+        keep_to = c - 1                 # the token before the cursor is re-fed to get its next-token logits
+        cache.keep_(torch.arange(keep_to))
+        last = self.ids[c - 1:c][None]
+        pos = self.cache.table.pos[:, c - 1:c]
+        gen_kwargs.setdefault("do_sample", False)
+        out = generate(self.model, cache, last, positions=pos, max_new_tokens=max_new_tokens, **gen_kwargs)
+        return out[0, 1:]

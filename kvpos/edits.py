@@ -1,0 +1,151 @@
+"""Edits of a token sequence as data: Insert / Delete / Replace, validation, token diffs, and the position plan.
+
+Pure Python + torch; the model-running session lives in kvpos.integrations.pie.
+
+    old: | seg0 | edit1 | seg1 | edit2 | seg2 |          segments = untouched old token ranges
+    new: | seg0 | new1  | seg1'| new2  | seg2'|          seg_i' = seg_i moved by the cumulative shift d_i
+
+    d_i = sum over edits before seg_i of (len(new tokens) - len(replaced tokens))
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Union
+
+import torch
+
+from ._checks import check_int, fail
+
+__all__ = ["Insert", "Delete", "Replace", "Edit", "normalize", "apply_edits", "diff_tokens", "widen", "plan",
+           "Piece"]
+
+
+def _ids_list(what: str, ids: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.dim() > 1:
+            fail(what, "1-D integer token ids", f"{tuple(ids.shape)} {ids.dtype}")
+        return tuple(int(x) for x in ids.tolist())
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        fail(what, "a sequence of int token ids", type(ids).__name__, exc=TypeError)
+    return tuple(check_int(f"{what}[{i}]", x) for i, x in enumerate(ids))
+
+
+@dataclass(frozen=True)
+class Replace:
+    """Replace tokens [start, end) with `ids` (the general edit)."""
+
+    start: int
+    end: int
+    ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start", check_int("edit start", self.start))
+        object.__setattr__(self, "end", check_int("edit end", self.end))
+        object.__setattr__(self, "ids", _ids_list("edit ids", self.ids))
+        if self.start > self.end:
+            fail("edit", "start <= end", f"start={self.start}, end={self.end}")
+
+    @property
+    def delta(self) -> int:
+        return len(self.ids) - (self.end - self.start)
+
+
+def Insert(at: int, ids: Iterable[int]) -> Replace:  # noqa: N802 - reads like a type at call sites
+    """Insert `ids` before token `at` (at == len(doc) appends)."""
+    return Replace(at, at, tuple(ids) if not isinstance(ids, torch.Tensor) else ids)
+
+
+def Delete(start: int, end: int) -> Replace:  # noqa: N802
+    """Delete tokens [start, end)."""
+    return Replace(start, end, ())
+
+
+Edit = Union[Replace]
+
+
+def normalize(edits: Sequence[Replace] | Replace, n: int) -> list[Replace]:
+    """Validate edits against a document of n tokens and sort them. Raises ValueError for out-of-range or
+    overlapping edits (two edits may touch end-to-start but not share a start or overlap)."""
+    if isinstance(edits, Replace):
+        edits = [edits]
+    out = []
+    for i, e in enumerate(edits):
+        if not isinstance(e, Replace):
+            fail(f"edits[{i}]", "Insert/Delete/Replace", type(e).__name__, exc=TypeError)
+        if not 0 <= e.start <= e.end <= n:
+            fail(f"edits[{i}]", f"0 <= start <= end <= len(doc)={n}", f"start={e.start}, end={e.end}")
+        out.append(e)
+    out.sort(key=lambda e: (e.start, e.end))
+    for a, b in zip(out, out[1:]):
+        if b.start < a.end or b.start == a.start:
+            fail("edits", "non-overlapping edits", f"[{a.start}, {a.end}) and [{b.start}, {b.end})",
+                 "merge them into one Replace")
+    return [e for e in out if e.ids or e.end > e.start]
+
+
+def apply_edits(ids: Sequence[int] | torch.Tensor, edits: Sequence[Replace]) -> list[int]:
+    """The token ids after `edits` (normalized first)."""
+    ids = list(_ids_list("ids", ids))
+    out, prev = [], 0
+    for e in normalize(edits, len(ids)):
+        out += ids[prev:e.start] + list(e.ids)
+        prev = e.end
+    return out + ids[prev:]
+
+
+def diff_tokens(old: Sequence[int] | torch.Tensor, new: Sequence[int] | torch.Tensor) -> list[Replace]:
+    """Minimal edits (difflib opcodes on token ids) turning `old` into `new`."""
+    a, b = list(_ids_list("old", old)), list(_ids_list("new", new))
+    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    return [Replace(i1, i2, tuple(b[j1:j2])) for op, i1, i2, j1, j2 in sm.get_opcodes() if op != "equal"]
+
+
+def widen(ids: Sequence[int] | torch.Tensor, edits: Sequence[Replace], k: int) -> list[Replace]:
+    """Extend every edit to also re-encode the k untouched tokens after it (never past the next edit).
+
+    Replace(s, e, new) becomes Replace(s, e', new + old[e:e']) with e' = min(e + k, next edit's start, len)."""
+    ids = list(_ids_list("ids", ids))
+    k = check_int("widen k", k)
+    if k < 0:
+        fail("widen k", "an int >= 0", k)
+    norm = normalize(edits, len(ids))
+    out = []
+    for i, e in enumerate(norm):
+        limit = norm[i + 1].start if i + 1 < len(norm) else len(ids)
+        end = max(e.end, min(e.end + k, limit))
+        out.append(Replace(e.start, end, e.ids + tuple(ids[e.end:end])))
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of the new document: untouched old tokens [old_start, old_end) (kind 'keep') or new token ids
+    (kind 'new'), starting at new index `new_start`."""
+
+    kind: str
+    new_start: int
+    length: int
+    old_start: int = -1
+    ids: tuple[int, ...] = ()
+
+    @property
+    def shift(self) -> int:
+        """new position - old position (keep pieces)."""
+        return self.new_start - self.old_start
+
+
+def plan(n: int, edits: Sequence[Replace]) -> list[Piece]:
+    """The new document as an ordered list of keep/new pieces (empty pieces dropped)."""
+    pieces, prev, pos = [], 0, 0
+    for e in normalize(edits, n):
+        if e.start > prev:
+            pieces.append(Piece("keep", pos, e.start - prev, old_start=prev))
+            pos += e.start - prev
+        if e.ids:
+            pieces.append(Piece("new", pos, len(e.ids), ids=e.ids))
+            pos += len(e.ids)
+        prev = e.end
+    if prev < n:
+        pieces.append(Piece("keep", pos, n - prev, old_start=prev))
+    return pieces

@@ -1,0 +1,140 @@
+"""Code edits: edit API, strategies vs full recomputation (exact for 1-layer models), text-level diffing."""
+import pytest
+import torch
+
+from kvpos.edits import Delete, Insert, Replace, apply_edits, diff_tokens, normalize, plan, widen
+from kvpos.integrations.hf import PositionedCache, extend
+from kvpos.integrations.pie import EditSession
+from kvpos.integrations.testing import TINY_ARCHS, tiny_model
+
+EDIT_SETS = {
+    "insert": [Insert(7, [11, 12, 13])],
+    "delete": [Delete(4, 9)],
+    "replace": [Replace(10, 12, [40, 41, 42, 43])],
+    "multi": [Insert(3, [50]), Delete(8, 10), Replace(14, 15, [60, 61]), Insert(20, [70, 71])],
+}
+
+
+def _doc(seed=0, n=20):
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _probe(session):
+    """Next-token logits after the document (same call for every strategy)."""
+    cache = session.cache.copy()
+    return extend(session.model, cache, torch.tensor([[5]]), positions=torch.tensor([session.length]))
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("kind", list(EDIT_SETS))
+def test_pie_equals_full_for_a_one_layer_model(arch, kind):
+    over = {"sliding_window": 4096, "layer_types": ["sliding_attention"]} if arch == "gemma3" else {}
+    model = tiny_model(arch, num_hidden_layers=1, **over)[0]
+    doc = _doc()
+    full, pie = EditSession(model, doc), EditSession(model, doc)
+    full.apply(EDIT_SETS[kind], "full")
+    r = pie.apply(EDIT_SETS[kind], "pie")
+    assert torch.equal(full.ids, pie.ids)
+    assert (_probe(full) - _probe(pie)).abs().max() < 1e-4
+    assert r.tokens_encoded == sum(len(e.ids) for e in EDIT_SETS[kind])
+    assert pie.cache.positions.tolist() == [list(range(pie.length))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "glm"])
+def test_deeper_models_layer0_keys_equal_full_and_naive_is_worse(arch):
+    model = tiny_model(arch, num_hidden_layers=3)[0]
+    doc = _doc(1, 24)
+    s = {m: EditSession(model, doc) for m in ("full", "pie", "naive", "pie+k")}
+    for m, sess in s.items():
+        sess.apply(EDIT_SETS["multi"], m, k=100)
+    f0 = s["full"].cache.layers[0]
+    p0 = s["pie"].cache.layers[0]
+    assert (f0.keys - p0.keys).abs().max() < 1e-4 and (f0.values - p0.values).abs().max() < 1e-4
+    # pie+k with k covering everything after the first edit is a full recomputation of that suffix
+    assert (_probe(s["full"]) - _probe(s["pie+k"])).abs().max() < 1e-4
+    err = {m: (_probe(s["full"]) - _probe(s[m])).abs().max().item() for m in ("pie", "naive")}
+    assert err["pie"] < err["naive"], err
+
+
+def test_full_equals_fresh_prefill():
+    model = tiny_model("llama")[0]
+    doc = _doc()
+    sess = EditSession(model, doc)
+    sess.apply(EDIT_SETS["multi"], "full")
+    fresh = PositionedCache.from_model(model)
+    extend(model, fresh, sess.ids[None])
+    for a, b in zip(sess.cache.layers, fresh.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_naive_keeps_stale_positions():
+    model = tiny_model("llama")[0]
+    sess = EditSession(model, _doc())
+    sess.apply([Insert(5, [9, 9, 9])], "naive")
+    pos = sess.cache.positions[0].tolist()
+    assert pos[5:8] == [5, 6, 7] and pos[8] == 5     # the suffix still starts at its old position: duplicates
+
+
+def test_failed_edits_leave_the_session_untouched():
+    model = tiny_model("llama")[0]
+    sess = EditSession(model, _doc())
+    ids, cache = sess.ids.clone(), sess.cache
+    with pytest.raises(ValueError, match=r"edits\[0\]: expected 0 <= start <= end <= len\(doc\)=20, got start=5, end=25"):
+        sess.apply([Delete(5, 25)])
+    with pytest.raises(ValueError, match=r"edits: expected non-overlapping edits, got \[3, 6\) and \[5, 8\)"):
+        sess.apply([Delete(3, 6), Replace(5, 8, [1])])
+    with pytest.raises(ValueError, match="edits: expected non-overlapping edits"):
+        sess.apply([Insert(4, [1]), Insert(4, [2])])
+    with pytest.raises(ValueError, match="apply strategy: expected one of"):
+        sess.apply([Insert(4, [1])], "fast")
+    with pytest.raises(ValueError, match="edit: expected start <= end, got start=5, end=3"):
+        Replace(5, 3, [1])
+    with pytest.raises(TypeError, match=r"edit ids\[0\]: expected an int, got str"):
+        Insert(2, ["a"])
+    with pytest.raises(ValueError, match="generate cursor: expected 1 <= cursor <= len"):
+        sess.generate(cursor=0)
+    assert torch.equal(sess.ids, ids) and sess.cache is cache
+
+
+def test_generate_from_a_cursor_matches_a_fresh_prefix():
+    model = tiny_model("qwen2")[0]
+    doc = _doc(4, 30)
+    sess = EditSession(model, doc)
+    got = sess.generate(max_new_tokens=5, cursor=18)
+    want = model.generate(doc[None, :18], max_new_tokens=5, do_sample=False)[0, 18:]
+    assert got.tolist() == want.tolist()
+    assert sess.length == 30 and sess.cache.num_slots == 30
+
+
+def test_edit_helpers():
+    ids = list(range(10))
+    e = [Insert(2, [100]), Delete(5, 7)]
+    assert apply_edits(ids, e) == [0, 1, 100, 2, 3, 4, 7, 8, 9]
+    assert apply_edits(ids, diff_tokens(ids, [0, 1, 100, 2, 3, 4, 7, 8, 9])) == [0, 1, 100, 2, 3, 4, 7, 8, 9]
+    assert widen(ids, [Insert(2, [100])], 3) == [Replace(2, 5, (100, 2, 3, 4))]
+    # widening stops at the next edit, which widens on its own
+    assert widen(ids, [Insert(2, [100]), Delete(4, 5)], 3) == [Replace(2, 4, (100, 2, 3)), Replace(4, 8, (5, 6, 7))]
+    for k in (0, 1, 2, 5, 50):
+        es = [Insert(3, [50]), Delete(8, 10), Replace(14, 15, [60, 61])]
+        assert apply_edits(range(20), widen(range(20), es, k)) == apply_edits(range(20), es)
+    p = plan(10, normalize(e, 10))
+    assert [(x.kind, x.new_start, x.length) for x in p] == [("keep", 0, 2), ("new", 2, 1), ("keep", 3, 3),
+                                                             ("keep", 6, 3)][:2] + [("keep", 3, 3), ("keep", 6, 3)]
+    assert p[-1].shift == -1
+
+
+@pytest.mark.parametrize("old,new", [
+    ("def f(x):\n    return x+1\n", "def f(x):\n    return x + 1\n"),         # operator spacing retokenizes
+    ("total = price * qty\n", "total = price * quantity\n"),               # identifier grows: token merge changes
+    ("items = []\nfor i in range(3):\n    items.append(i)\n", "items = []\nfor i in range(30):\n    items.append(i)\n"),
+    ("print('hello')\n", "print('hello world')\n"),
+])
+def test_text_level_diff_handles_tokenization_changes(default_model, old, new):
+    model, tok = default_model
+    sess = EditSession(model, tok(old).input_ids)
+    r = sess.apply_text(tok, new, "pie")
+    assert sess.ids.tolist() == tok(new).input_ids            # the document is exactly the new tokenization
+    assert tok.decode(sess.ids) == new
+    assert 0 < r.tokens_encoded < len(tok(new).input_ids)      # only the changed tokens were encoded
+    full = EditSession(model, tok(new).input_ids)
+    assert (_probe(full) - _probe(sess)).abs().max() < 50      # sanity: same document, finite logits
