@@ -1,0 +1,224 @@
+"""RepoBench-C-style next-line completion after code edits: full vs pie vs naive vs pie+k, on real code.
+
+    python bench/pie_eval.py --json results/pie_eval.json [--samples 200] [--context-tokens 2048] [--k 8]
+                             [--corpus DIR] [--model smollm2|gemma3|PATH] [--tasks insertion deletion multi]
+
+Samples (the FINAL document is always the real file):
+  a target line L of a real source file with ~context-tokens tokens of the file before it; the document is the
+  text up to the end of line L-1, WITHOUT its final newline (a prompt ending in a bare newline token is out of
+  distribution: see ../shared/notes/evaluation.md). The model's prediction is the text after its first generated
+  newline, up to the next newline.
+  insertion  the cache holds the document with 1-4 real lines removed; the edit puts them back
+  deletion   the cache holds the document with 1-4 real lines from elsewhere in the corpus added; the edit removes them
+  multi      three edits of both kinds
+Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
+Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
+prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
+Default corpus: the fixed list STDLIB_FILES of Python standard-library modules found on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import random
+import statistics
+import sys
+import sysconfig
+
+import torch
+from tqdm import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from _common import machine, markdown_table, write_outputs
+from kvpos.integrations.hf import load_model
+from kvpos.integrations.pie import EditSession
+
+STDLIB_FILES = [
+    "argparse.py", "ast.py", "calendar.py", "configparser.py", "csv.py", "dataclasses.py", "difflib.py",
+    "enum.py", "fractions.py", "ftplib.py", "functools.py", "gettext.py", "heapq.py", "inspect.py", "ipaddress.py",
+    "locale.py", "mailbox.py", "pathlib.py", "pdb.py", "pickle.py", "pprint.py", "shutil.py", "smtplib.py",
+    "statistics.py", "string.py", "subprocess.py", "tarfile.py", "tempfile.py", "textwrap.py", "threading.py",
+    "tokenize.py", "traceback.py", "typing.py", "uuid.py", "zipfile.py", "json/decoder.py", "json/encoder.py",
+    "email/_header_value_parser.py", "email/message.py", "http/client.py", "http/server.py", "logging/__init__.py",
+    "collections/__init__.py", "asyncio/base_events.py", "asyncio/tasks.py", "unittest/case.py",
+    "urllib/request.py", "urllib/parse.py", "xml/dom/minidom.py", "importlib/_bootstrap_external.py",
+]
+STRATEGIES = ["full", "pie", "naive", "pie+k"]
+
+
+def corpus_files(corpus: str | None) -> list[str]:
+    if corpus is None:
+        root = sysconfig.get_paths()["stdlib"]
+        files = [os.path.join(root, f) for f in STDLIB_FILES if os.path.exists(os.path.join(root, f))]
+    else:
+        if not os.path.isdir(corpus):
+            raise SystemExit(f"--corpus: expected a directory of source files, got {corpus!r}")
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(corpus) for f in fs
+                       if f.endswith((".py", ".js", ".ts", ".java", ".go", ".rs", ".c", ".cpp", ".rb")))
+    files = [f for f in files if os.path.getsize(f) > 4000]
+    if not files:
+        raise SystemExit("corpus: no source files over 4 KB found")
+    return files
+
+
+def _good_line(s: str) -> bool:
+    t = s.strip()
+    return len(t) >= 6 and not t.startswith(("#", '"""', "'''")) and t not in ("else:", "try:", "finally:")
+
+
+class _Lines:
+    """A file's lines and token counts (cached)."""
+
+    def __init__(self, path: str, tok) -> None:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            self.lines = f.read().split("\n")
+        self.ntok = [len(tok(l + "\n", add_special_tokens=False).input_ids) for l in self.lines]
+
+
+def make_sample(rng: random.Random, files, cache: dict, tok, ctx_tokens: int, task: str) -> dict | None:
+    path = rng.choice(files)
+    if path not in cache:
+        cache[path] = _Lines(path, tok)
+    F = cache[path]
+    if sum(F.ntok) < ctx_tokens + 50:
+        return None
+    for _ in range(20):
+        L = rng.randrange(len(F.lines))
+        if not _good_line(F.lines[L]):
+            continue
+        start, n = L, 0
+        while start > 0 and n < ctx_tokens:
+            start -= 1
+            n += F.ntok[start]
+        if n < ctx_tokens * 0.9:
+            continue
+        doc = F.lines[start:L]
+        break
+    else:
+        return None
+    # edits on line ranges of the final document `doc` (list of lines); the first 2 and last 3 lines stay untouched
+    kinds = [task] if task != "multi" else [rng.choice(["insertion", "deletion"]) for _ in range(3)]
+    n_lines = len(doc)
+    if n_lines < 30:
+        return None
+    slots = sorted(rng.sample(range(2, n_lines - 3), len(kinds)))
+    old = list(doc)
+    for at, kind in sorted(zip(slots, kinds), reverse=True):       # edit from the end so indices stay valid
+        b = rng.randint(1, 4)
+        if kind == "insertion":                                      # cache lacks real lines: remove them
+            b = min(b, n_lines - 3 - at)
+            del old[at:at + b]
+        else:                                                        # cache has foreign real lines: add them
+            src_path = rng.choice(files) if rng.random() < 0.5 else path
+            if src_path not in cache:
+                cache[src_path] = _Lines(src_path, tok)
+            src = [l for l in cache[src_path].lines if l.strip()]
+            j = rng.randrange(max(1, len(src) - b))
+            old[at:at] = src[j:j + b]
+    return {"path": path, "line": L, "old": "\n".join(old), "new": "\n".join(doc), "target": F.lines[L],
+            "task": task}
+
+
+class _TwoNewlines(StoppingCriteria):
+    """Stop once the generated text holds two newlines (the predicted line is complete)."""
+
+    def __init__(self, tok, start: int) -> None:
+        self.tok, self.start = tok, start
+
+    def __call__(self, input_ids, scores, **kw) -> torch.Tensor:
+        text = self.tok.decode(input_ids[0, self.start:])
+        return torch.tensor([text.count("\n") >= 2])
+
+
+def predicted_line(text: str) -> str:
+    if "\n" not in text:
+        return ""
+    return text.split("\n", 2)[1]
+
+
+def edit_similarity(a: str, b: str) -> float:
+    a, b = a.strip(), b.strip()
+    if not a and not b:
+        return 100.0
+    return 100.0 * difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+@torch.no_grad()
+def run(model, tok, samples: list[dict], k: int, max_new: int) -> dict:
+    res = {t: {s: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for s in STRATEGIES}
+           for t in ("insertion", "deletion", "multi")}
+    for smp in tqdm(samples, desc="pie_eval samples", file=sys.stdout):
+        old_ids = tok(smp["old"], add_special_tokens=False).input_ids
+        base = EditSession(model, old_ids)
+        preds = {}
+        for strat in STRATEGIES:
+            sess = EditSession(model, old_ids, cache=base.cache.copy())
+            r = sess.apply_text(tok, smp["new"], strat, k=k)
+            stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
+            gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
+            pred = predicted_line(tok.decode(gen))
+            preds[strat] = pred
+            d = res[smp["task"]][strat]
+            d["em"].append(pred.strip() == smp["target"].strip())
+            d["es"].append(edit_similarity(pred, smp["target"]))
+            d["agree"].append(pred == preds["full"])
+            d["t"].append(r.update_s)
+            d["enc"].append(r.tokens_encoded)
+    out = {}
+    for task, per in res.items():
+        if not per["full"]["em"]:
+            continue
+        tf = statistics.median(per["full"]["t"])
+        out[task] = {s: {"em": 100.0 * statistics.fmean(d["em"]), "es": statistics.fmean(d["es"]),
+                         "agree_full": 100.0 * statistics.fmean(d["agree"]), "update_s": statistics.median(d["t"]),
+                         "update_ratio_vs_full": statistics.median(d["t"]) / tf,
+                         "tokens_encoded": statistics.fmean(d["enc"])}
+                     for s, d in per.items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", default=None)
+    ap.add_argument("--samples", type=int, default=200, help="per task")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context-tokens", type=int, default=2048)
+    ap.add_argument("--model", default=None, help="smollm2 (default), gemma3, a .gguf path or a model directory")
+    ap.add_argument("--k", type=int, default=8, help="pie+k: tokens re-encoded after each edit")
+    ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
+    ap.add_argument("--max-new", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not 256 <= a.context_tokens <= 8000:
+        raise SystemExit(f"--context-tokens: expected 256..8000, got {a.context_tokens}")
+    torch.set_num_threads(a.threads)
+    model, tok = load_model(a.model)
+    files = corpus_files(a.corpus)
+    rng = random.Random(a.seed)
+    cache: dict = {}
+    samples = []
+    for task in a.tasks:
+        got = 0
+        while got < a.samples:
+            s = make_sample(rng, files, cache, tok, a.context_tokens, task)
+            if s is not None:
+                samples.append(s)
+                got += 1
+    res = run(model, tok, samples, a.k, a.max_new)
+    rows = [{"task": t, "strategy": s, **m} for t, per in res.items() for s, m in per.items()]
+    table = markdown_table(rows, ["task", "strategy", "em", "es", "agree_full", "update_s", "update_ratio_vs_full",
+                                  "tokens_encoded"],
+                           {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
+                            "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
+    payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "context_tokens": a.context_tokens,
+               "k": a.k, "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
+               "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s", "update_ratio_vs_full",
+                                                      "tokens_encoded")} for s, m in per.items()}
+                         for t, per in res.items()}}
+    write_outputs(a.json, payload, table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Windowed-RoPE retrieval attention: one unrotated key store serves every query position.
+
+Letters: B batch · H kv heads · Hq query heads (g = Hq / H) · q queries · N cached keys · D head_dim · F far slots.
+
+For a query at position p (A²ATS, arXiv 2502.12665; InfLLM / ReRoPE use the same fixed-distance idea):
+
+    sinks  = the first `sinks` slots            exact score at true positions
+    window = the last `window` slots before it  exact score at true positions
+    far    = the rest                           score as if the key sat r positions before the query:
+             q_h . (s R_{p-r} k_raw) = s * (R_{r-p} q_h) . k_raw      (only the query is rotated)
+
+Far scores need the RAW keys, which PositionedCache already keeps: the same store serves every query position and
+can be indexed, compressed and offloaded once. Of the far slots only the top `budget` (a fraction of F, or an
+int) are attended, per layer and KV head (the score of a key for a KV head = max over its query heads). The exact
+part (sinks + window) and the far part are merged through their log-sum-exps.
+
+Selectors:  "all"    every far slot (no retrieval; with true_distance=True this is full attention)
+            "exact"  exact windowed scores of all far raw keys, top-k
+            "index"  per-block min/max bounds of raw keys (Quest-style, position independent), top blocks
+            "none"   sinks + window only (StreamingLLM without its re-positioning)
+Plugged in as the transformers attention "kvpos_window" with a registered mask function.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvpos._checks import fail
+from kvpos.rope import RopeSpec, _apply, cos_sin
+from kvpos.integrations.hf import PositionedCache, active_cache, extend, generate
+
+__all__ = ["NAME", "WindowConfig", "windowed_attend", "far_query", "use_window", "window_extend", "window_generate",
+           "BlockIndex", "FarStore", "sparse_decode_attention", "index_recall"]
+
+NAME = "kvpos_window"
+SELECTORS = ("all", "exact", "index", "none")
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """sinks/window in slots, distance r in positions, budget = fraction of far slots (float) or a count (int)."""
+
+    sinks: int = 8
+    window: int = 64
+    distance: int = 2048
+    budget: float | int = 0.05
+    selector: str = "exact"
+    block: int = 16
+    true_distance: bool = False   # score far keys at their real positions (testing: equals full attention)
+
+    def __post_init__(self) -> None:
+        for what in ("sinks", "window", "distance", "block"):
+            v = getattr(self, what)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if what == "block" else 0):
+                fail(f"WindowConfig.{what}", "an int >= 0" if what != "block" else "an int >= 1", v)
+        if self.selector not in SELECTORS:
+            fail("WindowConfig.selector", f"one of {SELECTORS}", repr(self.selector))
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1):
+            fail("WindowConfig.budget", "a fraction in [0, 1] or an int count >= 0", b)
+
+    def k_for(self, n_far: int) -> int:
+        if self.selector == "all":
+            return n_far
+        if self.selector == "none":
+            return 0
+        k = int(math.ceil(self.budget * n_far)) if isinstance(self.budget, float) else int(self.budget)
+        return max(0, min(k, n_far))
+
+
+def far_query(q_h: torch.Tensor, q_pos: torch.Tensor, spec: RopeSpec, distance: int) -> torch.Tensor:
+    """R_{r - p} q_h * s: the query turned so that its dot product with a raw key k equals the score of that key
+    placed `distance` positions before the query. q_h [B, Hq, q, D] (rotated at q_pos [B, q]); returns float32."""
+    c, s = cos_sin((distance - q_pos).to(torch.long), spec)     # angles may be negative: cos/sin handle it
+    return _apply(q_h.float(), c[:, None], s[:, None], spec, 1.0) * spec.attention_scaling
+
+
+def _regions(N: int, Lq: int, cfg: WindowConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """exact [q, N] and far [q, N] bool masks for query rows at slots N-Lq .. N-1 (causal)."""
+    qs = torch.arange(N - Lq, N, device=device)[:, None]
+    ks = torch.arange(N, device=device)[None]
+    causal = ks <= qs
+    exact = causal & ((ks < cfg.sinks) | (ks > qs - cfg.window))
+    return exact, causal & ~exact
+
+
+def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: WindowConfig, sm_scale: float,
+                    allowed: torch.Tensor | None = None, stats: dict | None = None) -> torch.Tensor:
+    """Windowed-RoPE attention of q_h [B, Hq, q, D] (the last q slots of `layer`) over all N slots of `layer`.
+
+    Dense formulation (any q): scores for exact and far parts, top-k over far per (row, KV head), LSE merge.
+    allowed: optional [B|1, 1, q, N] bool (padding / hidden slots). Returns [B, Hq, q, D] in q_h's dtype.
+    """
+    B, Hq, Lq, D = q_h.shape
+    k_rot, k_raw, v = layer.keys, layer.raw_keys, layer.values
+    H, N = k_rot.shape[1], k_rot.shape[2]
+    g = Hq // H
+    exact, far = _regions(N, Lq, cfg, q_h.device)
+    ex, fa = exact.view(1, 1, 1, Lq, N), far.view(1, 1, 1, Lq, N)          # broadcast to [B, H, g, q, N]
+    if allowed is not None:
+        al = allowed.reshape(allowed.shape[0], 1, 1, Lq, N)
+        ex, fa = ex & al, fa & al
+    qg = q_h.float().reshape(B, H, g * Lq, D)
+    s_exact = (qg @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale
+    if cfg.true_distance:
+        s_far = s_exact
+    else:
+        qf = far_query(q_h, q_pos, layer.spec, cfg.distance).reshape(B, H, g * Lq, D)
+        s_far = (qf @ k_raw.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale
+    neg = torch.tensor(float("-inf"), device=q_h.device)
+    s_exact = s_exact.masked_fill(~ex, neg)
+    s_far = s_far.masked_fill(~fa, neg)
+    n_far = int(fa.sum(-1).max()) if fa.numel() else 0
+    k = cfg.k_for(n_far)
+    if k < n_far:
+        agg = s_far.amax(2, keepdim=True)                      # [B, H, 1, q, N] max over the group's query heads
+        if k == 0:
+            keep = torch.zeros_like(agg, dtype=torch.bool)
+        else:
+            idx = agg.topk(k, -1).indices
+            keep = torch.zeros_like(agg, dtype=torch.bool).scatter_(-1, idx, True)
+        s_far = s_far.masked_fill(~keep, neg)
+    if stats is not None:
+        stats["far_slots"] = n_far
+        stats["selected"] = k
+    lse = torch.logsumexp(torch.stack([torch.logsumexp(s_exact, -1), torch.logsumexp(s_far, -1)]), 0)
+    p = torch.exp(s_exact - lse[..., None]).nan_to_num(0.0) + torch.exp(s_far - lse[..., None]).nan_to_num(0.0)
+    out = p.reshape(B, H, g * Lq, N) @ v.float()
+    return out.view(B, Hq, Lq, -1).to(q_h.dtype)
+
+
+def window_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention "kvpos_window": windowed-RoPE retrieval over the active PositionedCache; plain sdpa
+    when the cache carries no WindowConfig."""
+    cache = active_cache()
+    cfg = getattr(cache, "window_cfg", None) if isinstance(cache, PositionedCache) else None
+    if cfg is None or cache.table.n != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = cache.layers[module.layer_idx]
+    B, Hq, Lq, D = query.shape
+    N = key.shape[2]
+    q_pos = cache.table.pos[:, N - Lq:].to(query.device)
+    allowed = None
+    if attention_mask is not None:
+        am = attention_mask[..., -N:]
+        allowed = am if am.dtype == torch.bool else am > torch.finfo(am.dtype).min / 2
+        if bool(allowed.all()):
+            allowed = None
+    sm = scaling if scaling is not None else 1.0 / math.sqrt(D)
+    out = windowed_attend(query, layer, q_pos, cfg, sm, allowed, stats=getattr(cache, "window_stats", None))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _window_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(NAME, window_attention)
+AttentionMaskInterface.register(NAME, _window_mask)
+
+
+@contextlib.contextmanager
+def use_window(model: torch.nn.Module, cache: PositionedCache, cfg: WindowConfig | None = None, **kw: Any
+               ) -> Iterator[WindowConfig]:
+    """Within the block `model` attends with windowed-RoPE retrieval over `cache` (cfg or WindowConfig(**kw))."""
+    cfg = cfg if cfg is not None else WindowConfig(**kw)
+    if kw and cfg is not None:
+        cfg = replace(cfg, **kw)
+    if not isinstance(cache, PositionedCache):
+        fail("use_window cache", "a PositionedCache", type(cache).__name__, exc=TypeError)
+    prev = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    cache.window_cfg = cfg
+    try:
+        yield cfg
+    finally:
+        cache.window_cfg = None
+        model.set_attn_implementation(prev)
+
+
+def window_extend(model: torch.nn.Module, cache: PositionedCache, ids: torch.Tensor, cfg: WindowConfig | None = None,
+                  positions: Any = None, **kw: Any) -> torch.Tensor:
+    """`extend` with windowed attention for the new tokens; returns logits [B, S, V]."""
+    with use_window(model, cache, cfg, **kw):
+        return extend(model, cache, ids, positions=positions)
+
+
+def window_generate(model: torch.nn.Module, cache: PositionedCache, ids: torch.Tensor,
+                    cfg: WindowConfig | None = None, **gen_kwargs: Any) -> torch.Tensor:
+    """`generate` with windowed attention (the config never reaches generate's kwarg validation)."""
+    with use_window(model, cache, cfg):
+        return generate(model, cache, ids, **gen_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# index + compact far store + a fused sparse decode step (q = 1), for speed
+# ---------------------------------------------------------------------------------------------------------------------
+
+class BlockIndex:
+    """Per-block elementwise min/max of raw keys (times attention scaling), [H, nb, D] each, for far slots
+    [start, start + nb * block). Position independent: built once, valid under any re-positioning."""
+
+    def __init__(self, raw_k: torch.Tensor, start: int, block: int, scale: float = 1.0) -> None:
+        """raw_k [H, F, D] (one batch row); full blocks only."""
+        H, F, D = raw_k.shape
+        nb = F // block
+        kb = raw_k[:, : nb * block].float().reshape(H, nb, block, D) * scale
+        self.mins, self.maxs = kb.amin(2), kb.amax(2)
+        self.start, self.block, self.nb = start, block, nb
+
+    def nbytes(self) -> int:
+        return 2 * self.mins.numel() * 4
+
+    def upper_bounds(self, qf: torch.Tensor) -> torch.Tensor:
+        """qf [H, g, D] far queries -> [H, nb] upper bound of q . k over each block (max over the group)."""
+        ub = torch.maximum(qf[:, :, None] * self.mins[:, None], qf[:, :, None] * self.maxs[:, None]).sum(-1)
+        return ub.amax(1)
+
+    def select(self, qf: torch.Tensor, k_tokens: int) -> torch.Tensor:
+        """[H, n_blocks_selected] block ids with the highest bounds (enough blocks for k_tokens)."""
+        nsel = max(1, min(self.nb, math.ceil(k_tokens / self.block)))
+        return self.upper_bounds(qf).topk(nsel, -1).indices
+
+
+class FarStore:
+    """Far slots in compact form: int8 raw keys (absmax scale per token and head) + fp16 values, [H, F, D]."""
+
+    def __init__(self, raw_k: torch.Tensor, v: torch.Tensor, key_bits: int = 8) -> None:
+        if key_bits not in (8, 16):
+            fail("FarStore key_bits", "8 or 16", key_bits)
+        self.key_bits = key_bits
+        if key_bits == 8:
+            amax = raw_k.float().abs().amax(-1, keepdim=True).clamp_min(1e-8)
+            self.k_scale = (amax / 127.0).to(torch.float16)
+            self.k = torch.round(raw_k.float() / self.k_scale.float()).clamp(-127, 127).to(torch.int8)
+        else:
+            self.k, self.k_scale = raw_k.to(torch.float16), None
+        self.v = v.to(torch.float16)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale) if t is not None)
+
+    def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx [H, k] far-slot indices -> (raw keys [H, k, D] float32, values [H, k, D] float32)."""
+        gi = idx[..., None].expand(-1, -1, self.k.shape[-1])
+        k = torch.gather(self.k, 1, gi).float()
+        if self.k_scale is not None:
+            k = k * torch.gather(self.k_scale, 1, idx[..., None]).float()
+        return k, torch.gather(self.v, 1, gi).float()
+
+
+def sparse_decode_attention(q_h: torch.Tensor, q_far: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
+                            index: BlockIndex, store: FarStore, k_tokens: int, sm_scale: float) -> torch.Tensor:
+    """One decode step (one query, one batch row) for one layer: exact attention over the resident local slots
+    (sinks + window, rotated keys) + top blocks of the far store by the index, LSE-merged.
+
+    q_h [Hq, D] rotated query; q_far [Hq, D] = far_query(...); local_k/local_v [H, L, D]. Returns [Hq, D]."""
+    H, L, D = local_k.shape
+    g = q_h.shape[0] // H
+    qg = q_h.view(H, g, D).float()
+    s_loc = (qg @ local_k.float().transpose(-1, -2)) * sm_scale                  # [H, g, L]
+    blocks = index.select(q_far.view(H, g, D), k_tokens)                       # [H, nb_sel]
+    tok = (blocks[..., None] * index.block + torch.arange(index.block)).reshape(H, -1)   # [H, k]
+    fk, fv = store.gather(tok)
+    s_far = (q_far.view(H, g, D).float() @ fk.transpose(-1, -2)) * sm_scale    # [H, g, k]
+    s = torch.cat([s_loc, s_far], -1)
+    p = torch.softmax(s, -1)
+    out = p[..., :L] @ local_v.float() + p[..., L:] @ fv
+    return out.reshape(H * g, D)
+
+
+def index_recall(q_far: torch.Tensor, raw_far: torch.Tensor, index: BlockIndex, k_tokens: int) -> float:
+    """Fraction of the exact top-k far slots (score = max over the group of q_far . k) that the index's selected
+    blocks contain. q_far [Hq, D], raw_far [H, F, D] (already times attention scaling)."""
+    H = raw_far.shape[0]
+    g = q_far.shape[0] // H
+    F = index.nb * index.block
+    sc = (q_far.view(H, g, -1) @ raw_far[:, :F].float().transpose(-1, -2)).amax(1)     # [H, F]
+    k = max(1, min(k_tokens, F))
+    exact = sc.topk(k, -1).indices
+    sel = index.select(q_far.view(H, g, -1), k)
+    got = torch.zeros(H, index.nb, dtype=torch.bool)
+    got.scatter_(1, sel, True)
+    return float(got.gather(1, exact // index.block).float().mean())
