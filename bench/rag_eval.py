@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="APE T/S sweep (with --ape)")
     ap.add_argument("--only", nargs="*", default=None,
                     help="keep only these base methods (full is always kept), e.g. --only parallel for a sweep")
+    ap.add_argument("--passages-header", default="",
+                    help="text after the user header, before the passages (part of the anchor), e.g. 'Passages:\\n\\n'")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
@@ -155,7 +157,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    builder = ChatPromptBuilder(tok)
+    builder = ChatPromptBuilder(tok, passages_header=a.passages_header.replace("\\n", "\n"))
     if a.data:
         items = read_jsonl(a.data)
     else:

@@ -76,10 +76,11 @@ class WindowConfig:
 
 
 def far_query(q_h: torch.Tensor, q_pos: torch.Tensor, spec: RopeSpec, distance: int) -> torch.Tensor:
-    """R_{r - p} q_h * s: the query turned so that its dot product with a raw key k equals the score of that key
-    placed `distance` positions before the query. q_h [B, Hq, q, D] (rotated at q_pos [B, q]); returns float32."""
+    """The query turned by r - p (rotary dims times the attention scaling s, pass-through dims as they are): its
+    dot product with a RAW key k equals the score of k placed `distance` positions before the query,
+    s^2 (R_r q)_rot . k_rot + q_pass . k_pass. q_h [B, Hq, q, D] rotated at q_pos [B, q]; returns float32."""
     c, s = cos_sin((distance - q_pos).to(torch.long), spec)     # angles may be negative: cos/sin handle it
-    return _apply(q_h.float(), c[:, None], s[:, None], spec, 1.0) * spec.attention_scaling
+    return _apply(q_h.float(), c[:, None], s[:, None], spec, spec.attention_scaling)
 
 
 def _regions(N: int, Lq: int, cfg: WindowConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +110,7 @@ def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: Win
         ex, fa = ex & al, fa & al
     qg = q_h.float().reshape(B, H, g * Lq, D)
     s_exact = (qg @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale
+    qf = q_h.float().reshape(B, H, g * Lq, D)
     if cfg.true_distance:
         s_far = s_exact
     else:
@@ -121,11 +123,14 @@ def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: Win
     k = cfg.k_for(n_far)
     if k < n_far:
         agg = s_far.amax(2, keepdim=True)                      # [B, H, 1, q, N] max over the group's query heads
-        if k == 0:
-            keep = torch.zeros_like(agg, dtype=torch.bool)
+        exact_keep = _topk_mask(agg, k)
+        if cfg.selector == "index":
+            keep = _index_keep(qf.view(B, H, g, Lq, D), k_raw, sm_scale, fa, cfg, k)
+            if stats is not None and k > 0:                    # recall of the index vs the exact top-k
+                hit = (keep & exact_keep).sum(-1).float() / k
+                stats.setdefault("recall", []).append(float(hit.mean()))
         else:
-            idx = agg.topk(k, -1).indices
-            keep = torch.zeros_like(agg, dtype=torch.bool).scatter_(-1, idx, True)
+            keep = exact_keep
         s_far = s_far.masked_fill(~keep, neg)
     if stats is not None:
         stats["far_slots"] = n_far
@@ -134,6 +139,40 @@ def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: Win
     p = torch.exp(s_exact - lse[..., None]).nan_to_num(0.0) + torch.exp(s_far - lse[..., None]).nan_to_num(0.0)
     out = p.reshape(B, H, g * Lq, N) @ v.float()
     return out.view(B, Hq, Lq, -1).to(q_h.dtype)
+
+
+def _topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask of the k largest entries along the last dim (-inf entries are never picked when k allows)."""
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    if k > 0:
+        keep.scatter_(-1, scores.topk(k, -1).indices, True)
+    return keep & torch.isfinite(scores)
+
+
+def _index_keep(qf: torch.Tensor, k_raw: torch.Tensor, scale: float, far: torch.Tensor, cfg: WindowConfig,
+                k: int) -> torch.Tensor:
+    """Quest-style selection on raw keys: blocks of cfg.block slots from cfg.sinks on, upper bound
+    relu(q).max + min(q,0).min per block (max over the group), top ceil(k / block) blocks that lie in the far
+    region of each query row. qf [B, H, g, q, D]; returns keep [B, H, 1, q, N] (far slots of the chosen blocks)."""
+    B, H, g, Lq, D = qf.shape
+    N = k_raw.shape[2]
+    s0, blk = cfg.sinks, cfg.block
+    nb = (N - s0) // blk
+    keep = torch.zeros(B, H, 1, Lq, N, dtype=torch.bool, device=qf.device)
+    if nb == 0:
+        return keep
+    kb = k_raw[:, :, s0:s0 + nb * blk].float().reshape(B, H, nb, blk, D) * scale
+    mins, maxs = kb.amin(3), kb.amax(3)                                   # [B, H, nb, D]
+    qp = qf.clamp_min(0).reshape(B, H, g * Lq, D)
+    ub = qp @ maxs.transpose(-1, -2) + (qf.reshape(B, H, g * Lq, D) - qp) @ mins.transpose(-1, -2)
+    ub = ub.view(B, H, g, Lq, nb).amax(2)                                  # [B, H, q, nb]
+    in_far = far[..., s0:s0 + nb * blk].reshape(far.shape[0], 1, Lq, nb, blk).any(-1)   # block touches far region
+    ub = ub.masked_fill(~in_far, float("-inf"))
+    nsel = max(1, min(nb, math.ceil(k / blk)))
+    sel = _topk_mask(ub, nsel)                                             # [B, H, q, nb]
+    tok = sel[..., None].expand(B, H, Lq, nb, blk).reshape(B, H, Lq, nb * blk)
+    keep[:, :, 0, :, s0:s0 + nb * blk] = tok
+    return keep & far
 
 
 def window_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -208,7 +247,7 @@ def window_generate(model: torch.nn.Module, cache: PositionedCache, ids: torch.T
 # ---------------------------------------------------------------------------------------------------------------------
 
 class BlockIndex:
-    """Per-block elementwise min/max of raw keys (times attention scaling), [H, nb, D] each, for far slots
+    """Per-block elementwise min/max of raw keys (times `scale`), [H, nb, D] each, for far slots
     [start, start + nb * block). Position independent: built once, valid under any re-positioning."""
 
     def __init__(self, raw_k: torch.Tensor, start: int, block: int, scale: float = 1.0) -> None:
@@ -223,8 +262,11 @@ class BlockIndex:
         return 2 * self.mins.numel() * 4
 
     def upper_bounds(self, qf: torch.Tensor) -> torch.Tensor:
-        """qf [H, g, D] far queries -> [H, nb] upper bound of q . k over each block (max over the group)."""
-        ub = torch.maximum(qf[:, :, None] * self.mins[:, None], qf[:, :, None] * self.maxs[:, None]).sum(-1)
+        """qf [H, g, D] far queries -> [H, nb] upper bound of q . k over each block (max over the group).
+
+        sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min: two matmuls."""
+        qp = qf.float().clamp_min(0)
+        ub = qp @ self.maxs.transpose(-1, -2) + (qf.float() - qp) @ self.mins.transpose(-1, -2)   # [H, g, nb]
         return ub.amax(1)
 
     def select(self, qf: torch.Tensor, k_tokens: int) -> torch.Tensor:
