@@ -149,6 +149,9 @@ def main() -> None:
                     help="keep only these base methods (full is always kept), e.g. --only parallel for a sweep")
     ap.add_argument("--passages-header", default="",
                     help="text after the user header, before the passages (part of the anchor), e.g. 'Passages:\\n\\n'")
+    ap.add_argument("--single-message", action="store_true",
+                    help="all passages in one user message (default: one user message per passage, which keeps "
+                         "independently encoded chunks much closer to full prefill; see ChatPromptBuilder)")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
@@ -157,7 +160,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    builder = ChatPromptBuilder(tok, passages_header=a.passages_header.replace("\\n", "\n"))
+    builder = ChatPromptBuilder(tok, passages_header=a.passages_header.replace("\\n", "\n"), turns=not a.single_message)
     if a.data:
         items = read_jsonl(a.data)
     else:

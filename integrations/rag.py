@@ -48,17 +48,27 @@ class ChatPromptBuilder:
     """Split a chat-template prompt into anchor / passage chunks / question token ids."""
 
     def __init__(self, tokenizer: Any, system_prompt: str | None = None, passage_sep: str = "\n\n",
-                 question_prefix: str = "Question: ", passages_header: str = "") -> None:
+                 question_prefix: str = "Question: ", passages_header: str = "", turns: bool = True) -> None:
+        """turns=False: all passages and the question in one user message, passages separated by `passage_sep`.
+        turns=True (default): every passage is its own user message (a chunk ends with the template's end-of-turn
+        + next-user header), so each chunk starts exactly where the anchor ends in the full prompt too. Measured on
+        SmolLM2-135M (bench/rag_eval.py): first-token KL of sequential reuse vs full prefill 0.05 with turns, 0.37
+        in one message; needle accuracy 95% vs 74% of full prefill."""
         self.tok = tokenizer
         msgs = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
         msgs.append({"role": "user", "content": _SENTINEL})
+        if turns:
+            msgs.append({"role": "user", "content": _SENTINEL})
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        if text.count(_SENTINEL) != 1:
-            fail("chat template", "one user-content slot", f"{text.count(_SENTINEL)} occurrences")
-        head, tail = text.split(_SENTINEL)
+        want = 2 if turns else 1
+        if text.count(_SENTINEL) != want:
+            fail("chat template", f"{want} user-content slot(s)", f"{text.count(_SENTINEL)} occurrences")
+        pieces = text.split(_SENTINEL)
+        head, tail = pieces[0], pieces[-1]
         self.anchor_text = head + passages_header
         self.tail_text = tail
-        self.sep = passage_sep
+        self.sep = pieces[1] if turns else passage_sep
+        self.turns = turns
         self.question_prefix = question_prefix
         self.anchor_ids = self._ids(self.anchor_text)
 
@@ -68,7 +78,7 @@ class ChatPromptBuilder:
     def chunk_ids(self, passage: str) -> torch.Tensor:
         if not isinstance(passage, str) or not passage.strip():
             fail("passage", "a non-empty string", repr(passage)[:40])
-        return self._ids(passage.strip() + self.sep)
+        return self._ids(passage.strip() + self.sep)   # turns: the end-of-turn + next user header close the chunk
 
     def question_ids(self, question: str, answer_prefix: str = "") -> torch.Tensor:
         if not isinstance(question, str) or not question.strip():

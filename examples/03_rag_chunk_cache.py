@@ -1,0 +1,42 @@
+"""Wire kvpos chunk reuse to a retriever's output: passages in, answer + per-request report out (SmolLM2, CPU).
+
+The "retriever" is a keyword-overlap ranker over real essay passages (any retriever returning strings works).
+Chunks live in a disk store (safetensors, checksummed), so a second process or run reuses them too.
+Look at: request 1 misses every chunk; request 2 (another question, overlapping passages in another order) hits
+them, and its TTFT drops accordingly.
+"""
+import re
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/bench")
+from _data import passages  # noqa: E402
+
+from kvpos.integrations.hf import load_default_model  # noqa: E402
+from kvpos.integrations.rag import RagPipeline  # noqa: E402
+from kvpos.store import DiskBackend  # noqa: E402
+
+torch.set_num_threads(2)
+model, tok = load_default_model()
+stream = passages(tok, 120, seed=3)
+corpus = [next(stream) for _ in range(12)]
+corpus[4] += " The access code for the east gate is 4417."
+corpus[9] += " The east gate is painted blue and faces the river."
+
+
+def retrieve(query: str, k: int = 5) -> list[str]:
+    words = set(re.findall(r"[a-z]+", query.lower()))
+    return sorted(corpus, key=lambda p: -len(words & set(re.findall(r"[a-z]+", p.lower()))))[:k]
+
+
+store_dir = tempfile.mkdtemp(prefix="kvpos-chunks-")
+rag = RagPipeline(model, tok, backend=DiskBackend(store_dir), link_k=8)
+for q in ("What is the access code for the east gate?", "What colour is the east gate painted?"):
+    ans = rag.answer(retrieve(q), q, max_new_tokens=20)
+    rep = ans.report
+    print(f"\nQ: {q}\nA: {ans.text!r}")
+    print(f"   chunks hit {rep['chunks_hit']}, missed {rep['chunks_missed']}; tokens computed {rep['tokens_computed']}, "
+          f"reused {rep['tokens_reused']}; TTFT {rep['ttft_s']:.2f}s")
+print(f"\nchunk store: {store_dir}")
