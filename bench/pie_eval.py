@@ -144,11 +144,27 @@ def edit_similarity(a: str, b: str) -> float:
     return 100.0 * difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
+def summarize(res: dict) -> dict:
+    out = {}
+    for task, per in res.items():
+        if not per["full"]["em"]:
+            continue
+        tf = statistics.median(per["full"]["t"])
+        out[task] = {s: {"em": 100.0 * statistics.fmean(d["em"]), "es": statistics.fmean(d["es"]),
+                         "agree_full": 100.0 * statistics.fmean(d["agree"]), "update_s": statistics.median(d["t"]),
+                         "update_ratio_vs_full": statistics.median(d["t"]) / tf,
+                         "tokens_encoded": statistics.fmean(d["enc"]), "n": len(d["em"])}
+                     for s, d in per.items()}
+    return out
+
+
 @torch.no_grad()
-def run(model, tok, samples: list[dict], k: int, max_new: int) -> dict:
+def run(model, tok, samples: list[dict], k: int, max_new: int, checkpoint=None, every: int = 25) -> dict:
     res = {t: {s: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for s in STRATEGIES}
            for t in ("insertion", "deletion", "multi")}
-    for smp in tqdm(samples, desc="pie_eval samples", file=sys.stdout):
+    for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
+        if checkpoint is not None and i and i % every == 0:
+            checkpoint(summarize(res), partial=True)
         old_ids = tok(smp["old"], add_special_tokens=False).input_ids
         base = EditSession(model, old_ids)
         preds = {}
@@ -165,17 +181,7 @@ def run(model, tok, samples: list[dict], k: int, max_new: int) -> dict:
             d["agree"].append(pred == preds["full"])
             d["t"].append(r.update_s)
             d["enc"].append(r.tokens_encoded)
-    out = {}
-    for task, per in res.items():
-        if not per["full"]["em"]:
-            continue
-        tf = statistics.median(per["full"]["t"])
-        out[task] = {s: {"em": 100.0 * statistics.fmean(d["em"]), "es": statistics.fmean(d["es"]),
-                         "agree_full": 100.0 * statistics.fmean(d["agree"]), "update_s": statistics.median(d["t"]),
-                         "update_ratio_vs_full": statistics.median(d["t"]) / tf,
-                         "tokens_encoded": statistics.fmean(d["enc"])}
-                     for s, d in per.items()}
-    return out
+    return summarize(res)
 
 
 def main() -> None:
@@ -198,26 +204,29 @@ def main() -> None:
     files = corpus_files(a.corpus)
     rng = random.Random(a.seed)
     cache: dict = {}
-    samples = []
+    per_task: dict[str, list[dict]] = {t: [] for t in a.tasks}
     for task in a.tasks:
-        got = 0
-        while got < a.samples:
+        while len(per_task[task]) < a.samples:
             s = make_sample(rng, files, cache, tok, a.context_tokens, task)
             if s is not None:
-                samples.append(s)
-                got += 1
-    res = run(model, tok, samples, a.k, a.max_new)
-    rows = [{"task": t, "strategy": s, **m} for t, per in res.items() for s, m in per.items()]
-    table = markdown_table(rows, ["task", "strategy", "em", "es", "agree_full", "update_s", "update_ratio_vs_full",
-                                  "tokens_encoded"],
-                           {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
-                            "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
-    payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "context_tokens": a.context_tokens,
-               "k": a.k, "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
-               "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s", "update_ratio_vs_full",
-                                                      "tokens_encoded")} for s, m in per.items()}
-                         for t, per in res.items()}}
-    write_outputs(a.json, payload, table)
+                per_task[task].append(s)
+    # interleave the tasks so that checkpoints written during the run cover every task
+    samples = [per_task[t][i] for i in range(a.samples) for t in a.tasks]
+    def report(res: dict, partial: bool = False) -> None:
+        rows = [{"task": t, "strategy": s, **m} for t, per in res.items() for s, m in per.items()]
+        table = markdown_table(rows, ["task", "strategy", "n", "em", "es", "agree_full", "update_s",
+                                      "update_ratio_vs_full", "tokens_encoded"],
+                               {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
+                                "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
+        payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
+                   "context_tokens": a.context_tokens, "k": a.k,
+                   "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
+                   "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
+                                                          "update_ratio_vs_full", "tokens_encoded", "n")}
+                                 for s, m in per.items()} for t, per in res.items()}}
+        write_outputs(a.json, payload, table)
+
+    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report))
 
 
 if __name__ == "__main__":
