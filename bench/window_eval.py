@@ -9,8 +9,9 @@ for in the chat template; the context is prefilled with full attention, the ques
 with each method (A²ATS setting). PPL: the first `context` tokens of an essay stream prefilled, the next 256 tokens
 scored with each method (teacher forcing).
 Methods: full; streaming (sinks 8 + window 64 only); wrope_exact (windowed RoPE, r = 2048, exact top-k of the far
-tokens by their windowed score); wrope_index (top blocks by Quest bounds on raw keys) at each budget (fraction of
-far tokens). Index recall vs the exact top-k is reported for wrope_index.
+tokens by their windowed score); wrope_index (top-k by scores against an int8 copy of the raw keys, the index the
+fast decode path reads); wrope_blocks (top blocks by Quest bounds on raw keys) at each budget (fraction of far
+tokens). Index recall vs the exact top-k is reported for wrope_index and wrope_blocks.
 Beyond the 8k training window (--long): full attention at positions up to 16k vs windowed RoPE whose prefill is
 also windowed (chunks of 512, far keys at distance r), so no query ever sees a distance > r.
 JSON: {"model", "rows": [{"method", "budget", "context", "needle_acc", "ppl", ...}]}
@@ -72,6 +73,7 @@ def methods(budgets: list[float]) -> list[tuple[str, float, WindowConfig | None]
     for b in budgets:
         out.append(("wrope_exact", b, WindowConfig(selector="exact", budget=b)))
         out.append(("wrope_index", b, WindowConfig(selector="index", budget=b)))
+        out.append(("wrope_blocks", b, WindowConfig(selector="blocks", budget=b)))
     return out
 
 
@@ -180,7 +182,7 @@ def main() -> None:
     write_outputs(a.json, payload, table)
     png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")
     series = {}
-    for name in ("wrope_exact", "wrope_index"):
+    for name in ("wrope_exact", "wrope_index", "wrope_blocks"):
         for ctx in a.contexts:
             pts = [(r["budget"], r["needle_acc"]) for r in rows if r["method"] == name and r["context"] == ctx]
             series[f"{name} {ctx}"] = ([p[0] for p in pts], [p[1] for p in pts])

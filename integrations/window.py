@@ -16,7 +16,10 @@ part (sinks + window) and the far part are merged through their log-sum-exps.
 
 Selectors:  "all"    every far slot (no retrieval; with true_distance=True this is full attention)
             "exact"  exact windowed scores of all far raw keys, top-k
-            "index"  per-block min/max bounds of raw keys (Quest-style, position independent), top blocks
+            "index"  top-k by scores against an int8 copy of the raw keys (per-token absmax scale): the index
+                     reads 1/4 of the fp32 key bytes (fused C scoring kernel), recall ~0.98 of the exact top-k
+            "blocks" per-block min/max bounds of raw keys (Quest-style), top blocks; kept for comparison: its
+                     recall on SmolLM2 keys is low (~0.15-0.3)
             "none"   sinks + window only (StreamingLLM without its re-positioning)
 Plugged in as the transformers attention "kvpos_window" with a registered mask function.
 """
@@ -33,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpos._checks import fail
+from kvpos._kernels import score_int8_kernel
 from kvpos.rope import RopeSpec, _apply, cos_sin
 from kvpos.integrations.hf import PositionedCache, active_cache, extend, generate
 
@@ -40,7 +44,7 @@ __all__ = ["NAME", "WindowConfig", "windowed_attend", "far_query", "use_window",
            "BlockIndex", "FarStore", "sparse_decode_attention", "index_recall"]
 
 NAME = "kvpos_window"
-SELECTORS = ("all", "exact", "index", "none")
+SELECTORS = ("all", "exact", "index", "blocks", "none")
 
 
 @dataclass(frozen=True)
@@ -124,8 +128,9 @@ def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: Win
     if k < n_far:
         agg = s_far.amax(2, keepdim=True)                      # [B, H, 1, q, N] max over the group's query heads
         exact_keep = _topk_mask(agg, k)
-        if cfg.selector == "index":
-            keep = _index_keep(qf.view(B, H, g, Lq, D), k_raw, sm_scale, fa, cfg, k)
+        if cfg.selector in ("index", "blocks"):
+            sel = _quant_keep if cfg.selector == "index" else _blocks_keep
+            keep = sel(qf.view(B, H, g, Lq, D), k_raw, sm_scale, fa, cfg, k)
             if stats is not None and k > 0:                    # recall of the index vs the exact top-k
                 hit = (keep & exact_keep).sum(-1).float() / k
                 stats.setdefault("recall", []).append(float(hit.mean()))
@@ -149,7 +154,7 @@ def _topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return keep & torch.isfinite(scores)
 
 
-def _index_keep(qf: torch.Tensor, k_raw: torch.Tensor, scale: float, far: torch.Tensor, cfg: WindowConfig,
+def _blocks_keep(qf: torch.Tensor, k_raw: torch.Tensor, scale: float, far: torch.Tensor, cfg: WindowConfig,
                 k: int) -> torch.Tensor:
     """Quest-style selection on raw keys: blocks of cfg.block slots from cfg.sinks on, upper bound
     relu(q).max + min(q,0).min per block (max over the group), top ceil(k / block) blocks that lie in the far
@@ -173,6 +178,23 @@ def _index_keep(qf: torch.Tensor, k_raw: torch.Tensor, scale: float, far: torch.
     tok = sel[..., None].expand(B, H, Lq, nb, blk).reshape(B, H, Lq, nb * blk)
     keep[:, :, 0, :, s0:s0 + nb * blk] = tok
     return keep & far
+
+
+def quantize_keys(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 keys and float32 per-token absmax scales: raw [..., T, D] -> (q [..., T, D] int8, scale [..., T])."""
+    amax = raw.float().abs().amax(-1).clamp_min(1e-12)
+    scale = amax / 127.0
+    return torch.round(raw.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def _quant_keep(qf: torch.Tensor, k_raw: torch.Tensor, scale: float, far: torch.Tensor, cfg: WindowConfig,
+                k: int) -> torch.Tensor:
+    """Top-k far slots by scores against int8-quantized raw keys (max over the group). Returns [B, H, 1, q, N]."""
+    B, H, g, Lq, D = qf.shape
+    kq, ks = quantize_keys(k_raw)
+    approx = (qf.reshape(B, H, g * Lq, D) @ kq.float().transpose(-1, -2)) * ks[:, :, None]
+    approx = approx.view(B, H, g, Lq, -1).amax(2, keepdim=True).masked_fill(~far, float("-inf"))
+    return _topk_mask(approx, k)
 
 
 def window_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -276,48 +298,72 @@ class BlockIndex:
 
 
 class FarStore:
-    """Far slots in compact form: int8 raw keys (absmax scale per token and head) + fp16 values, [H, F, D]."""
+    """Far slots in compact form: int8 raw keys (absmax scale per token and head) + fp16 values, [H, F, D].
+
+    The int8 keys double as the retrieval index (`scores`): one pass over 1 byte per key dim."""
 
     def __init__(self, raw_k: torch.Tensor, v: torch.Tensor, key_bits: int = 8) -> None:
         if key_bits not in (8, 16):
             fail("FarStore key_bits", "8 or 16", key_bits)
         self.key_bits = key_bits
         if key_bits == 8:
-            amax = raw_k.float().abs().amax(-1, keepdim=True).clamp_min(1e-8)
-            self.k_scale = (amax / 127.0).to(torch.float16)
-            self.k = torch.round(raw_k.float() / self.k_scale.float()).clamp(-127, 127).to(torch.int8)
+            self.k, scale = quantize_keys(raw_k)
+            self.k_scale_f32 = scale.contiguous()                  # [H, F]
+            self.k_scale = scale[..., None]
         else:
             self.k, self.k_scale = raw_k.to(torch.float16), None
         self.v = v.to(torch.float16)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale) if t is not None)
+        scale = getattr(self, "k_scale_f32", None)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, scale) if t is not None)
+
+    def index_bytes(self) -> int:
+        """Bytes read to score every far key: the int8 keys and their scales."""
+        scale = getattr(self, "k_scale_f32", None)
+        return self.k.numel() * self.k.element_size() + (scale.numel() * 4 if scale is not None else 0)
+
+    def scores(self, qf: torch.Tensor) -> torch.Tensor:
+        """qf [H, g, D] far queries -> [H, F] approximate scores (max over the group) from the int8 keys."""
+        if self.key_bits == 8:
+            out = score_int8_kernel(qf, self.k, self.k_scale_f32)
+            if out is not None:
+                return out
+            s = qf.float() @ self.k.float().transpose(-1, -2) * self.k_scale_f32[:, None]
+        else:
+            s = qf.float() @ self.k.float().transpose(-1, -2)
+        return s.amax(1)
 
     def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """idx [H, k] far-slot indices -> (raw keys [H, k, D] float32, values [H, k, D] float32)."""
         gi = idx[..., None].expand(-1, -1, self.k.shape[-1])
         k = torch.gather(self.k, 1, gi).float()
         if self.k_scale is not None:
-            k = k * torch.gather(self.k_scale, 1, idx[..., None]).float()
+            k = k * torch.gather(self.k_scale_f32, 1, idx)[..., None]
         return k, torch.gather(self.v, 1, gi).float()
 
 
 def sparse_decode_attention(q_h: torch.Tensor, q_far: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
-                            index: BlockIndex, store: FarStore, k_tokens: int, sm_scale: float) -> torch.Tensor:
+                            store: FarStore, k_tokens: int, sm_scale: float, blocks: BlockIndex | None = None
+                            ) -> torch.Tensor:
     """One decode step (one query, one batch row) for one layer: exact attention over the resident local slots
-    (sinks + window, rotated keys) + top blocks of the far store by the index, LSE-merged.
+    (sinks + window, rotated keys) + the top `k_tokens` far slots of the compact store, LSE-merged (one softmax).
 
+    Selection: by the store's int8 key scores (default), or by a BlockIndex's top blocks when `blocks` is given.
     q_h [Hq, D] rotated query; q_far [Hq, D] = far_query(...); local_k/local_v [H, L, D]. Returns [Hq, D]."""
     H, L, D = local_k.shape
     g = q_h.shape[0] // H
     qg = q_h.view(H, g, D).float()
+    qfg = q_far.view(H, g, D).float()
     s_loc = (qg @ local_k.float().transpose(-1, -2)) * sm_scale                  # [H, g, L]
-    blocks = index.select(q_far.view(H, g, D), k_tokens)                       # [H, nb_sel]
-    tok = (blocks[..., None] * index.block + torch.arange(index.block)).reshape(H, -1)   # [H, k]
+    if blocks is not None:
+        sel = blocks.select(qfg, k_tokens)                                     # [H, nb_sel]
+        tok = (sel[..., None] * blocks.block + torch.arange(blocks.block)).reshape(H, -1)
+    else:
+        tok = store.scores(qfg).topk(max(1, k_tokens), -1).indices             # [H, k]
     fk, fv = store.gather(tok)
-    s_far = (q_far.view(H, g, D).float() @ fk.transpose(-1, -2)) * sm_scale    # [H, g, k]
-    s = torch.cat([s_loc, s_far], -1)
-    p = torch.softmax(s, -1)
+    s_far = (qfg @ fk.transpose(-1, -2)) * sm_scale                            # [H, g, k]
+    p = torch.softmax(torch.cat([s_loc, s_far], -1), -1)
     out = p[..., :L] @ local_v.float() + p[..., L:] @ fv
     return out.reshape(H * g, D)
 

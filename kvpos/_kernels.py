@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-__all__ = ["rope_kernel_available", "rope_apply_kernel"]
+__all__ = ["rope_kernel_available", "rope_apply_kernel", "score_int8_kernel"]
 
 _SRC = r"""
 #include <stdint.h>
@@ -80,6 +80,30 @@ static inline uint16_t bf16_store(float f) {
              const int64_t *osb, const int64_t *osh, int layout, int nthreads
 void kvpos_rope_f32(ARGS) { typedef float T; ROPE_BODY(IDENT, IDENT) }
 void kvpos_rope_bf16(ARGS) { typedef uint16_t T; ROPE_BODY(bf16_load, bf16_store) }
+
+/* Scores of int8 keys for groups of queries: out[h, j] = scale[h, j] * max_g sum_d q[h, g, d] * k[h, j, d].
+   q float32 [H, G, D] contiguous; k int8 [H, F, D] with head stride ksh (elements) and unit stride on D;
+   scale float32 [H, F] (head stride ssh); out float32 [H, F] contiguous. */
+void kvpos_score_int8(const float *q, const int8_t *k, const float *scale, float *out, int64_t H, int64_t G,
+                      int64_t F, int64_t D, int64_t ksh, int64_t ssh, int nthreads) {
+    const int64_t nblk = (F + 255) / 256;
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
+    for (int64_t idx = 0; idx < H * nblk; idx++) {
+        const int64_t h = idx / nblk, j0 = (idx % nblk) * 256, j1 = j0 + 256 < F ? j0 + 256 : F;
+        const float *qh = q + h * G * D;
+        for (int64_t j = j0; j < j1; j++) {
+            const int8_t *kj = k + h * ksh + j * D;
+            float best = -3.0e38f;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qh + g * D;
+                float acc = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc += qg[d] * (float)kj[d];
+                best = acc > best ? acc : best;
+            }
+            out[h * F + j] = best * scale[h * ssh + j];
+        }
+    }
+}
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -127,6 +151,8 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [vp, vp, fp, fp] + [i64] * 7 + [vp] * 4 + [ctypes.c_int, ctypes.c_int]
         fn.restype = None
+    lib.kvpos_score_int8.argtypes = [vp, vp, vp, vp] + [i64] * 6 + [ctypes.c_int]
+    lib.kvpos_score_int8.restype = None
     return lib
 
 
@@ -193,3 +219,20 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
        ints(*[o.stride(0) for o in outs]), ints(*[o.stride(1) for o in outs]),
        1 if interleaved else 0, max(1, torch.get_num_threads()))
     return True
+
+
+def score_int8_kernel(q: torch.Tensor, k: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """out [H, F] = scale * max over g of q[h, g] . k[h, j] for q float32 [H, G, D], k int8 [H, F, D], scale float32
+    [H, F]. Returns None when the kernel cannot serve the tensors (the caller computes it with torch)."""
+    if not (q.device.type == "cpu" and k.dtype == torch.int8 and k.dim() == 3 and k.stride(2) == 1
+            and k.stride(1) == k.shape[2] and scale.dtype == torch.float32 and scale.stride(1) == 1):
+        return None
+    lib = _get()
+    if lib is None:
+        return None
+    H, F, D = k.shape
+    qc = q.float().contiguous()
+    out = torch.empty(H, F, dtype=torch.float32)
+    lib.kvpos_score_int8(qc.data_ptr(), k.data_ptr(), scale.data_ptr(), out.data_ptr(), H, qc.shape[1], F, D,
+                         k.stride(0), scale.stride(0), max(1, torch.get_num_threads()))
+    return out
