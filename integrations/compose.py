@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from kvpos._checks import fail
+from kvpos._checks import as_token_ids, fail
 from kvpos.store import ChunkKV, ChunkStore, Fingerprint, MemoryBackend, model_fingerprint
 from kvpos.integrations.hf import PositionedCache, extend
 
@@ -39,14 +39,10 @@ SEG_CHUNK0 = 16      # chunk i is labelled SEG_CHUNK0 + i (APE treats segment >=
 
 
 def _ids1d(what: str, ids: Any) -> torch.Tensor:
-    t = torch.as_tensor(ids)
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1 or t.is_floating_point():
-        fail(what, "1-D integer token ids [S] (or [1, S])", f"{tuple(t.shape)} {t.dtype}")
+    t = as_token_ids(what, ids)
     if t.numel() == 0:
         fail(what, "at least one token", "an empty sequence")
-    return t.long()
+    return t
 
 
 @dataclass

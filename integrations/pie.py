@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvpos._checks import check_int, fail
+from kvpos._checks import as_token_ids, check_int, fail
 from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
@@ -42,21 +42,12 @@ class EditResult:
     edits: int
 
 
-def _ids(what: str, ids: Any) -> torch.Tensor:
-    t = torch.as_tensor(ids)
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1 or t.is_floating_point():
-        fail(what, "1-D integer token ids", f"{tuple(t.shape)} {t.dtype}")
-    return t.long()
-
-
 class EditSession:
     """A document (token ids [n]) and its cache (slot j = token j at position j after full/pie updates)."""
 
     def __init__(self, model: torch.nn.Module, ids: Any, cache: PositionedCache | None = None) -> None:
         self.model = model
-        self.ids = _ids("EditSession ids", ids)
+        self.ids = as_token_ids("EditSession ids", ids)
         if self.ids.numel() == 0:
             fail("EditSession ids", "at least one token", "an empty document")
         if cache is None:

@@ -54,3 +54,13 @@ def as_positions(what: str, pos: Any, batch: int, length: int, device: torch.dev
     if pos.numel() and int(pos.min()) < 0:
         fail(what, "positions >= 0", f"min {int(pos.min())}")
     return pos.expand(batch, length)
+
+
+def as_token_ids(what: str, ids: Any) -> torch.Tensor:
+    """1-D int64 token ids from [S] or [1, S] (tensor, list or tuple); raises naming `what` otherwise."""
+    t = torch.as_tensor(ids)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        fail(what, "1-D integer token ids [S] (or [1, S])", f"{tuple(t.shape)} {t.dtype}")
+    return t.long()
