@@ -165,12 +165,12 @@ def run(model, tok, samples: list[dict], k: int, max_new: int, checkpoint=None, 
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
             checkpoint(summarize(res), partial=True)
-        old_ids = tok(smp["old"], add_special_tokens=False).input_ids
+        old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
         base = EditSession(model, old_ids)
         preds = {}
         for strat in STRATEGIES:
             sess = EditSession(model, old_ids, cache=base.cache.copy())
-            r = sess.apply_text(tok, smp["new"], strat, k=k)
+            r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
