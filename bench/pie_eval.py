@@ -158,9 +158,16 @@ def summarize(res: dict) -> dict:
     return out
 
 
+def strategy_names(ks: list[int]) -> list[tuple[str, str, int]]:
+    """(report name, EditSession strategy, k): "pie+k" is the first k; further k values report as "pie+k<k>"."""
+    out = [("full", "full", 0), ("pie", "pie", 0), ("naive", "naive", 0), ("pie+k", "pie+k", ks[0])]
+    return out + [(f"pie+k{k}", "pie+k", k) for k in ks[1:]]
+
+
 @torch.no_grad()
-def run(model, tok, samples: list[dict], k: int, max_new: int, checkpoint=None, every: int = 25) -> dict:
-    res = {t: {s: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for s in STRATEGIES}
+def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25) -> dict:
+    names = strategy_names(ks)
+    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, _, _ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
@@ -168,14 +175,14 @@ def run(model, tok, samples: list[dict], k: int, max_new: int, checkpoint=None, 
         old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
         base = EditSession(model, old_ids)
         preds = {}
-        for strat in STRATEGIES:
+        for name, strat, k in names:
             sess = EditSession(model, old_ids, cache=base.cache.copy())
             r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
-            preds[strat] = pred
-            d = res[smp["task"]][strat]
+            preds[name] = pred
+            d = res[smp["task"]][name]
             d["em"].append(pred.strip() == smp["target"].strip())
             d["es"].append(edit_similarity(pred, smp["target"]))
             d["agree"].append(pred == preds["full"])
@@ -191,7 +198,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--context-tokens", type=int, default=2048)
     ap.add_argument("--model", default=None, help="smollm2 (default), gemma3, a .gguf path or a model directory")
-    ap.add_argument("--k", type=int, default=8, help="pie+k: tokens re-encoded after each edit")
+    ap.add_argument("--k", type=int, nargs="+", default=[16, 64],
+                    help="pie+k: tokens re-encoded after each edit; the first value is reported as 'pie+k', "
+                         "others as 'pie+k<k>'")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)

@@ -31,7 +31,7 @@ from kvpos.store import ChunkKV, ChunkStore, Fingerprint, MemoryBackend, model_f
 from kvpos.integrations.hf import PositionedCache, extend
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkCache", "compose", "ComposeInfo",
-           "layout_allowed"]
+           "layout_allowed", "recompute_slots"]
 
 SEG_QUERY = 0        # question and generated tokens
 SEG_ANCHOR = 1       # the shared anchor prefix
@@ -239,21 +239,28 @@ def _scatter_updates(cache: PositionedCache, slots: torch.Tensor) -> Iterator[No
         cache._scatter = None
 
 
-def _recompute_slots(model: torch.nn.Module, cache: PositionedCache, slots: torch.Tensor, ids: torch.Tensor,
-                     info: ComposeInfo, anchor_len: int) -> int:
-    """Re-encode the tokens at `slots` (all layers) in ONE forward, each attending to what the layout lets it see
-    (sequential: every slot before it); their new KV overwrite the stored ones. Equivalent to re-encoding them one
-    chunk after another, since a chunk's link tokens only see slots placed before them. Returns len(slots)."""
+def recompute_slots(model: torch.nn.Module, cache: PositionedCache, slots: torch.Tensor, ids: torch.Tensor,
+                    allowed: torch.Tensor) -> int:
+    """Re-encode the tokens `ids` [S] that sit at `slots` [S] of `cache` in ONE forward (all layers): slot slots[i]
+    attends to the slots where allowed[i] [S, T] is True; the new keys/values overwrite the slots in place
+    (positions unchanged). Returns S."""
     if slots.numel() == 0:
         return 0
-    N = cache.num_slots
-    allowed = layout_allowed(info, anchor_len)[slots][:, :N]
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
     pos = cache.positions[:, slots]
     with _scatter_updates(cache, slots):
         model(input_ids=ids[None], position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
     return int(slots.numel())
+
+
+def _recompute_slots(model: torch.nn.Module, cache: PositionedCache, slots: torch.Tensor, ids: torch.Tensor,
+                     info: ComposeInfo, anchor_len: int) -> int:
+    """Link tokens: each attends to what the layout lets it see (sequential: every slot before it). One forward is
+    equivalent to re-encoding them one chunk after another, since a chunk's link tokens only see slots placed before
+    them."""
+    N = cache.num_slots
+    return recompute_slots(model, cache, slots, ids, layout_allowed(info, anchor_len)[slots][:, :N])
 
 
 def _decoder_layers(model: torch.nn.Module) -> tuple[Any, Any, Any]:

@@ -26,6 +26,7 @@ import torch
 
 from kvpos._checks import as_token_ids, check_int, fail
 from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen
+from kvpos.integrations.compose import recompute_slots
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
 __all__ = ["EditSession", "EditResult", "STRATEGIES"]
@@ -97,11 +98,49 @@ class EditSession:
         return self.apply(diff_tokens(self.ids, new), strategy, k)
 
     def _splice(self, edits: list[Replace], fix_positions: bool) -> tuple[PositionedCache, int, int]:
-        """New cache = untouched segments' raw KV (moved, or not for naive) + new tokens encoded in document order."""
+        """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old
+        positions for naive) and placeholder slots for the new tokens, which ONE forward then encodes in place, each
+        new token attending to every slot before it (causal over the new document)."""
         old = self.cache
         old._check_idle("apply")
         new = old.empty_like()
         pieces = plan(self.length, edits)
+        n_new = sum(p.length for p in pieces)
+        new.reserve_(n_new + 16)
+        new_slots, new_ids = [], []
+        reused = 0
+        for p in pieces:
+            if p.kind == "keep":
+                s, e = p.old_start, p.old_start + p.length
+                pos = old.table.pos[:, s:e] + (p.shift if fix_positions else 0)
+                new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
+                reused += p.length
+            else:
+                s0 = new.num_slots
+                zeros = [(torch.zeros_like(l.raw_k[:, :, :p.length]), torch.zeros_like(l.v[:, :, :p.length]))
+                         for l in old.layers]
+                new.append_raw_(zeros, torch.arange(p.new_start, p.new_start + p.length))
+                new_slots.append(torch.arange(s0, s0 + p.length))
+                new_ids.append(torch.tensor(p.ids, dtype=torch.long))
+        enc = 0
+        if new_slots and self._sliding:
+            return self._splice_sequential(pieces, fix_positions)
+        if new_slots:
+            slots = torch.cat(new_slots)
+            allowed = torch.arange(new.num_slots)[None] <= slots[:, None]       # causal over the new document
+            enc = recompute_slots(self.model, new, slots, torch.cat(new_ids), allowed)
+        return new, enc, reused
+
+    @property
+    def _sliding(self) -> bool:
+        """Models with sliding-window layers: one 4-D mask cannot express the window, so edits are encoded one
+        after another with transformers' own masks (new tokens last, so slot distance = position distance)."""
+        lt = getattr(self.model.config, "layer_types", None) or []
+        return any(t != "full_attention" for t in lt)
+
+    def _splice_sequential(self, pieces: list, fix_positions: bool) -> tuple[PositionedCache, int, int]:
+        old = self.cache
+        new = old.empty_like()
         new.reserve_(sum(p.length for p in pieces) + 16)
         enc = reused = 0
         for p in pieces:
@@ -111,8 +150,8 @@ class EditSession:
                 new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
                 reused += p.length
             else:
-                start = p.new_start
-                extend(self.model, new, torch.tensor([p.ids]), positions=torch.arange(start, start + p.length))
+                extend(self.model, new, torch.tensor([p.ids]), positions=torch.arange(p.new_start,
+                                                                                        p.new_start + p.length))
                 enc += p.length
         return new, enc, reused
 
