@@ -8,10 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from .cache import PositionedKV, SlotLayer, SlotTable
+from .edits import Delete, Insert, Replace, apply_edits, diff_tokens
 from .rope import RopeLayout, RopeSpec, UnsupportedRopeError, cos_sin, rope_specs_from_model, rotate, unrotate
+from .store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
+                    MemoryBackend, RedisBackend, StoreUnavailable)
 
 __version__ = "0.1.0"
-FORMAT_VERSION = 1  # bump when the stored-chunk layout changes
+FORMAT_VERSION = 1  # the stored-chunk layout version (kvpos.store.FORMAT_VERSION)
 
 _LAZY = {
     "PositionedCache": "kvpos.integrations.hf",
@@ -23,7 +26,9 @@ _LAZY = {
 
 __all__ = [
     "RopeLayout", "RopeSpec", "UnsupportedRopeError", "cos_sin", "rope_specs_from_model", "rotate", "unrotate",
-    "PositionedKV", "SlotLayer", "SlotTable", "FORMAT_VERSION", *_LAZY,
+    "PositionedKV", "SlotLayer", "SlotTable", "FORMAT_VERSION", "Insert", "Delete", "Replace", "apply_edits",
+    "diff_tokens", "ChunkKV", "ChunkStore", "CorruptChunkError", "DiskBackend", "Fingerprint", "FingerprintMismatch",
+    "MemoryBackend", "RedisBackend", "StoreUnavailable", *_LAZY,
 ]
 
 
