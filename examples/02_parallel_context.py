@@ -28,7 +28,7 @@ for item in needle_items(tok, 3, seed=5):
     gen = model.generate(parts.full_ids(), max_new_tokens=16, do_sample=False)[0, parts.full_ids().shape[1]:]
     print(f"\nQ: {item['question']}  (gold {item['answer']})")
     print(f"  full prefill : {tok.decode(gen, skip_special_tokens=True)!r}")
-    for name, T, S in (("parallel", 1.0, 1.0), ("APE 0.9/0.9", 0.9, 0.9)):
+    for name, T, S in (("parallel", 1.0, 1.0), ("APE 0.7/1.0", 0.7, 1.0)):
         cache, _ = cc.compose(parts.chunks, layout="parallel")
         lp = ape_extend(model, cache.copy(), parts.question[None], T, S)[0, -1].float().log_softmax(-1)
         kl = float((full.exp() * (full - lp)).sum())

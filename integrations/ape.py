@@ -39,9 +39,11 @@ __all__ = ["NAME", "DEFAULT_TEMPERATURE", "DEFAULT_SCALE", "ape_attend", "ape_at
            "ape_generate", "block_diagonal_allowed", "encode_chunks_batched", "xformers_available"]
 
 NAME = "kvpos_ape"
-# chosen by the sweep in bench/rag_eval.py --ape --sweep (see results/ape_sweep.json); APE's paper default is 0.9/0.9
-DEFAULT_TEMPERATURE = 0.9
-DEFAULT_SCALE = 0.9
+# chosen by the sweep `bench/rag_eval.py --n 20 --n-cont 0 --only parallel --ape --sweep --single-message`
+# (results/ape_sweep_single_message.md: T=0.7,S=1.0 keeps 94% of full-prefill accuracy vs 44% for plain parallel);
+# the APE paper/repo default is T=S=0.9 (89% there)
+DEFAULT_TEMPERATURE = 0.7
+DEFAULT_SCALE = 1.0
 
 
 def _check_ts(temperature: float, scale: float) -> tuple[float, float]:
