@@ -36,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpos._checks import fail
-from kvpos._kernels import score_int8_kernel
+from kvpos._kernels import score_int8_kernel, topk_indices, transpose_int8_blocks
 from kvpos.rope import RopeSpec, _apply, cos_sin
 from kvpos.integrations.hf import PositionedCache, active_cache, extend, generate
 
@@ -310,6 +310,7 @@ class FarStore:
             self.k, scale = quantize_keys(raw_k)
             self.k_scale_f32 = scale.contiguous()                  # [H, F]
             self.k_scale = scale[..., None]
+            self.kt = transpose_int8_blocks(self.k)                # the index layout the scoring kernel reads
         else:
             self.k, self.k_scale = raw_k.to(torch.float16), None
         self.v = v.to(torch.float16)
@@ -319,14 +320,15 @@ class FarStore:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, scale) if t is not None)
 
     def index_bytes(self) -> int:
-        """Bytes read to score every far key: the int8 keys and their scales."""
+        """Bytes of the resident index read to score every far key: the blocked int8 keys and their scales."""
+        kt = getattr(self, "kt", self.k)
         scale = getattr(self, "k_scale_f32", None)
-        return self.k.numel() * self.k.element_size() + (scale.numel() * 4 if scale is not None else 0)
+        return kt.numel() * kt.element_size() + (scale.numel() * 4 if scale is not None else 0)
 
     def scores(self, qf: torch.Tensor) -> torch.Tensor:
         """qf [H, g, D] far queries -> [H, F] approximate scores (max over the group) from the int8 keys."""
         if self.key_bits == 8:
-            out = score_int8_kernel(qf, self.k, self.k_scale_f32)
+            out = score_int8_kernel(qf, self.kt, self.k_scale_f32, self.k.shape[1])
             if out is not None:
                 return out
             s = qf.float() @ self.k.float().transpose(-1, -2) * self.k_scale_f32[:, None]
@@ -335,12 +337,14 @@ class FarStore:
         return s.amax(1)
 
     def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """idx [H, k] far-slot indices -> (raw keys [H, k, D] float32, values [H, k, D] float32)."""
-        gi = idx[..., None].expand(-1, -1, self.k.shape[-1])
-        k = torch.gather(self.k, 1, gi).float()
+        """idx [H, k] far-slot indices -> (raw keys [H, k, D] float32, values [H, k, D] float32): row gathers."""
+        H, F, D = self.k.shape
+        flat = (idx + torch.arange(H)[:, None] * F).reshape(-1)
+        k = self.k.reshape(H * F, D).index_select(0, flat).view(H, -1, D).float()
         if self.k_scale is not None:
-            k = k * torch.gather(self.k_scale_f32, 1, idx)[..., None]
-        return k, torch.gather(self.v, 1, gi).float()
+            k = k * self.k_scale_f32.reshape(-1).index_select(0, flat).view(H, -1, 1)
+        v = self.v.reshape(H * F, -1).index_select(0, flat).view(H, -1, self.v.shape[-1]).float()
+        return k, v
 
 
 def sparse_decode_attention(q_h: torch.Tensor, q_far: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor,
@@ -360,7 +364,7 @@ def sparse_decode_attention(q_h: torch.Tensor, q_far: torch.Tensor, local_k: tor
         sel = blocks.select(qfg, k_tokens)                                     # [H, nb_sel]
         tok = (sel[..., None] * blocks.block + torch.arange(blocks.block)).reshape(H, -1)
     else:
-        tok = store.scores(qfg).topk(max(1, k_tokens), -1).indices             # [H, k]
+        tok = topk_indices(store.scores(qfg), k_tokens)                       # [H, k]
     fk, fv = store.gather(tok)
     s_far = (qfg @ fk.transpose(-1, -2)) * sm_scale                            # [H, g, k]
     p = torch.softmax(torch.cat([s_loc, s_far], -1), -1)

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-__all__ = ["rope_kernel_available", "rope_apply_kernel", "score_int8_kernel"]
+__all__ = ["rope_kernel_available", "rope_apply_kernel", "score_int8_kernel", "topk_indices", "transpose_int8_blocks"]
 
 _SRC = r"""
 #include <stdint.h>
@@ -81,27 +81,87 @@ static inline uint16_t bf16_store(float f) {
 void kvpos_rope_f32(ARGS) { typedef float T; ROPE_BODY(IDENT, IDENT) }
 void kvpos_rope_bf16(ARGS) { typedef uint16_t T; ROPE_BODY(bf16_load, bf16_store) }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 /* Scores of int8 keys for groups of queries: out[h, j] = scale[h, j] * max_g sum_d q[h, g, d] * k[h, j, d].
-   q float32 [H, G, D] contiguous; k int8 [H, F, D] with head stride ksh (elements) and unit stride on D;
-   scale float32 [H, F] (head stride ssh); out float32 [H, F] contiguous. */
-void kvpos_score_int8(const float *q, const int8_t *k, const float *scale, float *out, int64_t H, int64_t G,
-                      int64_t F, int64_t D, int64_t ksh, int64_t ssh, int nthreads) {
-    const int64_t nblk = (F + 255) / 256;
+   q float32 [H, G, D] contiguous (G <= 16); kt int8 [H, nb, D, 16] (keys in blocks of 16, transposed so that one
+   dim of 16 keys is 16 consecutive bytes: every inner loop is a plain 16-wide vector op); scale float32 [H, F];
+   out float32 [H, nb * 16] contiguous (entries >= F are padding). */
+void kvpos_score_int8(const float *q, const int8_t *kt, const float *scale, float *out, int64_t H, int64_t G,
+                      int64_t F, int64_t D, int64_t nb, int nthreads) {
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
-    for (int64_t idx = 0; idx < H * nblk; idx++) {
-        const int64_t h = idx / nblk, j0 = (idx % nblk) * 256, j1 = j0 + 256 < F ? j0 + 256 : F;
+    for (int64_t idx = 0; idx < H * nb; idx++) {
+        const int64_t h = idx / nb, b = idx % nb;
         const float *qh = q + h * G * D;
-        for (int64_t j = j0; j < j1; j++) {
-            const int8_t *kj = k + h * ksh + j * D;
-            float best = -3.0e38f;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qh + g * D;
-                float acc = 0.0f;
-                for (int64_t d = 0; d < D; d++) acc += qg[d] * (float)kj[d];
-                best = acc > best ? acc : best;
+        const int8_t *kb = kt + idx * D * 16;
+        float best[16];
+        for (int i = 0; i < 16; i++) best[i] = -3.0e38f;
+        for (int64_t g = 0; g < G; g++) {              /* one 16-wide vector accumulator per query */
+            const float *qg = qh + g * D;
+            float a[16];
+#if defined(__AVX512F__)
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const __m128i kv = _mm_loadu_si128((const __m128i *)(kb + d * 16));
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(qg[d]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(kv)), acc);
             }
-            out[h * F + j] = best * scale[h * ssh + j];
+            _mm512_storeu_ps(a, acc);
+#elif defined(__AVX2__)
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const __m256 qv = _mm256_set1_ps(qg[d]);
+                const __m128i k0 = _mm_loadl_epi64((const __m128i *)(kb + d * 16));
+                const __m128i k1 = _mm_loadl_epi64((const __m128i *)(kb + d * 16 + 8));
+                lo = _mm256_fmadd_ps(qv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k0)), lo);
+                hi = _mm256_fmadd_ps(qv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k1)), hi);
+            }
+            _mm256_storeu_ps(a, lo);
+            _mm256_storeu_ps(a + 8, hi);
+#else
+            for (int i = 0; i < 16; i++) a[i] = 0.0f;
+            for (int64_t d = 0; d < D; d++)
+                for (int i = 0; i < 16; i++) a[i] += qg[d] * (float)kb[d * 16 + i];
+#endif
+            for (int i = 0; i < 16; i++) best[i] = a[i] > best[i] ? a[i] : best[i];
         }
+        for (int i = 0; i < 16; i++) {
+            const int64_t j = b * 16 + i;
+            out[h * nb * 16 + j] = j < F ? best[i] * scale[h * F + j] : -3.0e38f;
+        }
+    }
+}
+
+/* Indices of the k largest entries of each row of s [H, F] (unordered), by quickselect on a copy; out int64 [H, k].
+   O(F) per row instead of a sort. */
+static void kv_select(float *v, int64_t *ix, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const float pivot = v[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {                                      /* descending partition */
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                float tv = v[i]; v[i] = v[j]; v[j] = tv;
+                int64_t ti = ix[i]; ix[i] = ix[j]; ix[j] = ti;
+                i++; j--;
+            }
+        }
+        if (k - 1 <= j) hi = j; else if (k - 1 >= i) lo = i; else break;
+    }
+}
+
+void kvpos_topk(const float *s, int64_t H, int64_t F, int64_t k, int64_t *out, float *work_v, int64_t *work_i,
+                int nthreads) {
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
+    for (int64_t h = 0; h < H; h++) {
+        float *v = work_v + h * F;
+        int64_t *ix = work_i + h * F;
+        for (int64_t j = 0; j < F; j++) { v[j] = s[h * F + j]; ix[j] = j; }
+        kv_select(v, ix, F, k);
+        for (int64_t j = 0; j < k; j++) out[h * k + j] = ix[j];
     }
 }
 """
@@ -151,8 +211,10 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [vp, vp, fp, fp] + [i64] * 7 + [vp] * 4 + [ctypes.c_int, ctypes.c_int]
         fn.restype = None
-    lib.kvpos_score_int8.argtypes = [vp, vp, vp, vp] + [i64] * 6 + [ctypes.c_int]
+    lib.kvpos_score_int8.argtypes = [vp, vp, vp, vp] + [i64] * 5 + [ctypes.c_int]
     lib.kvpos_score_int8.restype = None
+    lib.kvpos_topk.argtypes = [vp] + [i64] * 3 + [vp, vp, vp, ctypes.c_int]
+    lib.kvpos_topk.restype = None
     return lib
 
 
@@ -221,18 +283,44 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     return True
 
 
-def score_int8_kernel(q: torch.Tensor, k: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """out [H, F] = scale * max over g of q[h, g] . k[h, j] for q float32 [H, G, D], k int8 [H, F, D], scale float32
-    [H, F]. Returns None when the kernel cannot serve the tensors (the caller computes it with torch)."""
-    if not (q.device.type == "cpu" and k.dtype == torch.int8 and k.dim() == 3 and k.stride(2) == 1
-            and k.stride(1) == k.shape[2] and scale.dtype == torch.float32 and scale.stride(1) == 1):
+def transpose_int8_blocks(k: torch.Tensor) -> torch.Tensor:
+    """int8 keys [H, F, D] -> [H, ceil(F/16), D, 16] (zero padded): the layout `score_int8_kernel` reads."""
+    H, F, D = k.shape
+    nb = (F + 15) // 16
+    pad = torch.zeros(H, nb * 16, D, dtype=torch.int8)
+    pad[:, :F] = k
+    return pad.view(H, nb, 16, D).transpose(2, 3).contiguous()
+
+
+def score_int8_kernel(q: torch.Tensor, kt: torch.Tensor, scale: torch.Tensor, F: int) -> torch.Tensor | None:
+    """out [H, F] = scale * max over g of q[h, g] . k[h, j] for q float32 [H, G, D] (G <= 16), kt int8 from
+    transpose_int8_blocks, scale float32 [H, F] contiguous. Returns None when the kernel cannot serve the tensors
+    (the caller computes the same with torch)."""
+    if not (q.device.type == "cpu" and kt.dtype == torch.int8 and kt.dim() == 4 and kt.is_contiguous()
+            and kt.shape[3] == 16 and scale.dtype == torch.float32 and scale.is_contiguous() and q.shape[1] <= 16):
         return None
     lib = _get()
     if lib is None:
         return None
-    H, F, D = k.shape
+    H, nb, D, _ = kt.shape
     qc = q.float().contiguous()
-    out = torch.empty(H, F, dtype=torch.float32)
-    lib.kvpos_score_int8(qc.data_ptr(), k.data_ptr(), scale.data_ptr(), out.data_ptr(), H, qc.shape[1], F, D,
-                         k.stride(0), scale.stride(0), max(1, torch.get_num_threads()))
+    out = torch.empty(H, nb * 16, dtype=torch.float32)
+    lib.kvpos_score_int8(qc.data_ptr(), kt.data_ptr(), scale.data_ptr(), out.data_ptr(), H, qc.shape[1], F, D, nb,
+                         max(1, torch.get_num_threads()))
+    return out[:, :F]
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [H, k] (unordered) of the k largest scores per row of a float32 [H, F] tensor: C quickselect (O(F))
+    when the kernel is built, torch.topk otherwise."""
+    H, F = scores.shape
+    k = max(1, min(k, F))
+    lib = _get()
+    if lib is None or scores.device.type != "cpu" or scores.dtype != torch.float32:
+        return scores.topk(k, -1, sorted=False).indices
+    s = scores.contiguous()
+    out = torch.empty(H, k, dtype=torch.long)
+    wv = torch.empty(H, F, dtype=torch.float32)
+    wi = torch.empty(H, F, dtype=torch.long)
+    lib.kvpos_topk(s.data_ptr(), H, F, k, out.data_ptr(), wv.data_ptr(), wi.data_ptr(), max(1, torch.get_num_threads()))
     return out
