@@ -152,3 +152,17 @@ def test_window_config_errors():
         WindowConfig(window=-1)
     with pytest.raises(ValueError, match="FarStore key_bits: expected 8 or 16, got 4"):
         FarStore(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), key_bits=4)
+
+
+def test_topk_indices_matches_torch_topk():
+    from kvpos._kernels import topk_indices
+
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(3, 5000, generator=g)
+    for k in (1, 17, 250, 5000):
+        got = topk_indices(s, k)
+        want = s.topk(k, -1).indices
+        assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
+    ties = torch.zeros(2, 100)
+    ties[:, 10:30] = 1.0
+    assert all(set(range(10, 30)) <= set(r.tolist()) for r in topk_indices(ties, 25))
