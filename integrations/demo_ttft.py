@@ -39,7 +39,7 @@ def part3_ttft(model, tok) -> None:
     passages = _essay_passages(8, 300)
     passages[5] = passages[5] + " The access code for the staging cluster is 7351."
     question = "What is the access code for the staging cluster?"
-    rag = RagPipeline(model, tok, layout="sequential", link_k=8)
+    rag = RagPipeline(model, tok, layout="sequential", link_k=0)
     t = time.perf_counter()
     rag.cache.precompute([rag.builder.chunk_ids(p) for p in passages], progress=False)
     print(f"8 passages (~{sum(rag.builder.chunk_ids(p).numel() for p in passages)} tokens) encoded once and "
@@ -57,7 +57,7 @@ def part3_ttft(model, tok) -> None:
     print(f"full prefill of {ids.shape[1]} tokens : TTFT {ttft_full:.2f}s  -> {full.text!r}")
     print(f"kvpos reordered reuse     : TTFT {ans.report['ttft_s']:.2f}s  -> {ans.text!r}")
     print(f"speedup {ttft_full / ans.report['ttft_s']:.1f}x; chunks hit {ans.report['chunks_hit']}/8, tokens computed "
-          f"{ans.report['tokens_computed']} (question + link tokens) instead of {ids.shape[1]}")
+          f"{ans.report['tokens_computed']} (the question) instead of {ids.shape[1]}")
     print("(a prefix cache would reuse only the system prompt here: the passages moved. Full tables: "
           "python bench/bench_ttft.py; quality: python bench/rag_eval.py)")
     del t_full
