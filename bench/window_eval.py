@@ -68,12 +68,11 @@ def needle_prompt(tok, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor,
     return torch.tensor([ctx_ids]), torch.tensor([q_ids]), code
 
 
-def methods(budgets: list[float]) -> list[tuple[str, float, WindowConfig | None]]:
+def methods(budgets: list[float], selectors: list[str]) -> list[tuple[str, float, WindowConfig | None]]:
     out = [("full", 1.0, None), ("streaming", 0.0, WindowConfig(selector="none"))]
     for b in budgets:
-        out.append(("wrope_exact", b, WindowConfig(selector="exact", budget=b)))
-        out.append(("wrope_index", b, WindowConfig(selector="index", budget=b)))
-        out.append(("wrope_blocks", b, WindowConfig(selector="blocks", budget=b)))
+        for sel in selectors:
+            out.append((f"wrope_{sel}", b, WindowConfig(selector=sel, budget=b)))
     return out
 
 
@@ -112,6 +111,8 @@ def main() -> None:
     ap.add_argument("--ppl-texts", type=int, default=2)
     ap.add_argument("--long", type=int, default=16384, help="0 to skip the beyond-training-window experiment")
     ap.add_argument("--long-needles", type=int, default=2)
+    ap.add_argument("--selectors", nargs="+", default=["exact", "index"],
+                    help="far-token selectors to evaluate (add 'blocks' for the Quest-style block bounds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -120,7 +121,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    ms = methods(a.budgets)
+    ms = methods(a.budgets, a.selectors)
     acc = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
     ppl = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
     rec = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
@@ -167,10 +168,11 @@ def main() -> None:
             full = PositionedCache.from_model(model)
             extend(model, full, c_ids)
             long_rows["full"].append(code in answer(model, tok, full, q, None, {}))
+            del full
+            base = windowed_prefill(model, c_ids, WindowConfig(selector="all"))
             for name, cfg in (("wrope_all", WindowConfig(selector="all")),
                               ("wrope_exact", WindowConfig(selector="exact", budget=0.05))):
-                cache = windowed_prefill(model, c_ids, WindowConfig(selector="all"))
-                long_rows[name].append(code in answer(model, tok, cache, q, cfg, {}))
+                long_rows[name].append(code in answer(model, tok, base.copy(), q, cfg, {}))
         for name, hits in long_rows.items():
             rows.append({"method": f"{name}@long", "budget": 0.05 if name == "wrope_exact" else 1.0,
                          "context": a.long, "needle_acc": 100.0 * statistics.fmean(hits), "ppl": None})
@@ -182,7 +184,7 @@ def main() -> None:
     write_outputs(a.json, payload, table)
     png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")
     series = {}
-    for name in ("wrope_exact", "wrope_index", "wrope_blocks"):
+    for name in [f"wrope_{sel}" for sel in a.selectors]:
         for ctx in a.contexts:
             pts = [(r["budget"], r["needle_acc"]) for r in rows if r["method"] == name and r["context"] == ctx]
             series[f"{name} {ctx}"] = ([p[0] for p in pts], [p[1] for p in pts])
