@@ -68,11 +68,12 @@ def needle_prompt(tok, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor,
     return torch.tensor([ctx_ids]), torch.tensor([q_ids]), code
 
 
-def methods(budgets: list[float], selectors: list[str]) -> list[tuple[str, float, WindowConfig | None]]:
+def methods(budgets: list[float], selectors: list[str], far_scores: str = "exact"
+            ) -> list[tuple[str, float, WindowConfig | None]]:
     out = [("full", 1.0, None), ("streaming", 0.0, WindowConfig(selector="none"))]
     for b in budgets:
         for sel in selectors:
-            out.append((f"wrope_{sel}", b, WindowConfig(selector=sel, budget=b)))
+            out.append((f"wrope_{sel}", b, WindowConfig(selector=sel, budget=b, far_scores=far_scores)))
     return out
 
 
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--ppl-texts", type=int, default=2)
     ap.add_argument("--long", type=int, default=16384, help="0 to skip the beyond-training-window experiment")
     ap.add_argument("--long-needles", type=int, default=2)
+    ap.add_argument("--far-scores", default="exact", choices=["exact", "windowed"],
+                    help="attention logits of the selected far keys (2k-8k runs); the --long run always uses windowed")
     ap.add_argument("--selectors", nargs="+", default=["exact", "index"],
                     help="far-token selectors to evaluate (add 'blocks' for the Quest-style block bounds)")
     ap.add_argument("--seed", type=int, default=0)
@@ -121,7 +124,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    ms = methods(a.budgets, a.selectors)
+    ms = methods(a.budgets, a.selectors, a.far_scores)
     acc = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
     ppl = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
     rec = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
@@ -169,9 +172,9 @@ def main() -> None:
             extend(model, full, c_ids)
             long_rows["full"].append(code in answer(model, tok, full, q, None, {}))
             del full
-            base = windowed_prefill(model, c_ids, WindowConfig(selector="all"))
-            for name, cfg in (("wrope_all", WindowConfig(selector="all")),
-                              ("wrope_exact", WindowConfig(selector="exact", budget=0.05))):
+            base = windowed_prefill(model, c_ids, WindowConfig(selector="all", far_scores="windowed"))
+            for name, cfg in (("wrope_all", WindowConfig(selector="all", far_scores="windowed")),
+                              ("wrope_exact", WindowConfig(selector="exact", budget=0.05, far_scores="windowed"))):
                 long_rows[name].append(code in answer(model, tok, base.copy(), q, cfg, {}))
         for name, hits in long_rows.items():
             rows.append({"method": f"{name}@long", "budget": 0.05 if name == "wrope_exact" else 1.0,
@@ -180,7 +183,8 @@ def main() -> None:
                            {"budget": ".2f", "needle_acc": ".1f", "acc_vs_full": ".1f", "ppl": ".2f",
                             "index_recall": ".3f"})
     payload = {"model": getattr(model, "name_or_path", "?"), "needles": a.needles, "machine": machine(),
-               "config": {"sinks": 8, "window": 64, "distance": 2048, "block": 16}, "rows": rows}
+               "config": {"sinks": 8, "window": 64, "distance": 2048, "far_scores": a.far_scores,
+                          "long_far_scores": "windowed"}, "rows": rows}
     write_outputs(a.json, payload, table)
     png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")
     series = {}

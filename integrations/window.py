@@ -8,6 +8,9 @@ For a query at position p (A²ATS, arXiv 2502.12665; InfLLM / ReRoPE use the sam
     window = the last `window` slots before it  exact score at true positions
     far    = the rest                           score as if the key sat r positions before the query:
              q_h . (s R_{p-r} k_raw) = s * (R_{r-p} q_h) . k_raw      (only the query is rotated)
+             these windowed scores SELECT the far keys; the selected keys are attended with their true-position
+             scores (far_scores="exact", A²ATS) or with the windowed ones (far_scores="windowed", InfLLM /
+             ReRoPE style, which never shows the model a distance > r: for contexts beyond the training window)
 
 Far scores need the RAW keys, which PositionedCache already keeps: the same store serves every query position and
 can be indexed, compressed and offloaded once. Of the far slots only the top `budget` (a fraction of F, or an
@@ -58,6 +61,8 @@ class WindowConfig:
     selector: str = "exact"
     block: int = 16
     true_distance: bool = False   # score far keys at their real positions (testing: equals full attention)
+    far_scores: str = "exact"     # attention logits of the SELECTED far keys: "exact" (true positions, A²ATS) or
+    #                               "windowed" (fixed distance r, InfLLM/ReRoPE style: no distance > r is ever seen)
 
     def __post_init__(self) -> None:
         for what in ("sinks", "window", "distance", "block"):
@@ -66,6 +71,8 @@ class WindowConfig:
                 fail(f"WindowConfig.{what}", "an int >= 0" if what != "block" else "an int >= 1", v)
         if self.selector not in SELECTORS:
             fail("WindowConfig.selector", f"one of {SELECTORS}", repr(self.selector))
+        if self.far_scores not in ("exact", "windowed"):
+            fail("WindowConfig.far_scores", "'exact' or 'windowed'", repr(self.far_scores))
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1):
             fail("WindowConfig.budget", "a fraction in [0, 1] or an int count >= 0", b)
@@ -113,7 +120,8 @@ def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: Win
         al = allowed.reshape(allowed.shape[0], 1, 1, Lq, N)
         ex, fa = ex & al, fa & al
     qg = q_h.float().reshape(B, H, g * Lq, D)
-    s_exact = (qg @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale
+    s_true = (qg @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale   # true-position scores
+    s_exact = s_true
     qf = q_h.float().reshape(B, H, g * Lq, D)
     if cfg.true_distance:
         s_far = s_exact
@@ -137,6 +145,8 @@ def windowed_attend(q_h: torch.Tensor, layer: Any, q_pos: torch.Tensor, cfg: Win
         else:
             keep = exact_keep
         s_far = s_far.masked_fill(~keep, neg)
+    if cfg.far_scores == "exact":      # selection by the windowed scores, attention with the true positions
+        s_far = s_true.masked_fill(~torch.isfinite(s_far), neg)
     if stats is not None:
         stats["far_slots"] = n_far
         stats["selected"] = k
@@ -352,6 +362,8 @@ def sparse_decode_attention(q_h: torch.Tensor, q_far: torch.Tensor, local_k: tor
                             ) -> torch.Tensor:
     """One decode step (one query, one batch row) for one layer: exact attention over the resident local slots
     (sinks + window, rotated keys) + the top `k_tokens` far slots of the compact store, LSE-merged (one softmax).
+    The selected far keys are attended with their windowed scores (far_scores="windowed"); true-position scores
+    would add one rotation of the k gathered keys.
 
     Selection: by the store's int8 key scores (default), or by a BlockIndex's top blocks when `blocks` is given.
     q_h [Hq, D] rotated query; q_far [Hq, D] = far_query(...); local_k/local_v [H, L, D]. Returns [Hq, D]."""

@@ -23,12 +23,16 @@ def _prefilled(arch="llama", n=60, seed=0):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "cohere", "gemma3"])
-def test_all_far_slots_at_true_distance_equals_full_attention(arch):
+@pytest.mark.parametrize("far_scores", ["exact", "windowed"])
+def test_all_far_slots_at_true_distance_equals_full_attention(arch, far_scores):
     model, cache, q = _prefilled(arch)
     ref = extend(model, cache.copy(), q)
-    cfg = WindowConfig(sinks=4, window=8, selector="all", true_distance=True)
+    cfg = WindowConfig(sinks=4, window=8, selector="all", true_distance=True, far_scores=far_scores)
     got = window_extend(model, cache.copy(), q, cfg)
     assert (got - ref).abs().max() < 1e-4
+    # selecting every far slot by its windowed score and attending with true positions is full attention too
+    got2 = window_extend(model, cache.copy(), q, WindowConfig(sinks=4, window=8, selector="all"))
+    assert (got2 - ref).abs().max() < 1e-4
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -55,7 +59,7 @@ def test_far_score_equals_float64_reference():
 
 def test_far_scores_do_not_depend_on_the_query_position():
     model, cache, q = _prefilled("llama", n=80)
-    cfg = WindowConfig(sinks=2, window=4, selector="exact", budget=10)
+    cfg = WindowConfig(sinks=2, window=4, selector="exact", budget=10, far_scores="windowed")
     a = window_extend(model, cache.copy(), q, cfg)
     moved = cache.copy()
     moved.shift_(0, moved.num_slots, 1000)       # everything 1000 positions later: far scores are unchanged,
@@ -110,7 +114,7 @@ def test_sparse_decode_equals_dense_when_everything_is_selected():
     q_h = torch.randn(1, 4, 1, 16)
     q_pos = torch.tensor([[N - 1]])
     # dense reference: all far slots at distance r (query = slot N-1)
-    cfg = WindowConfig(sinks=sinks, window=window, distance=r, selector="all")
+    cfg = WindowConfig(sinks=sinks, window=window, distance=r, selector="all", far_scores="windowed")
     dense = windowed_attend(q_h, layer, q_pos, cfg, 0.25)[0, :, 0]
     qf = far_query(q_h, q_pos, layer.spec, r)[0, :, 0]
     far = slice(sinks, N - window)
@@ -148,6 +152,8 @@ def test_window_config_errors():
         WindowConfig(selector="random")
     with pytest.raises(ValueError, match=r"WindowConfig.budget: expected a fraction in \[0, 1\] or an int count"):
         WindowConfig(budget=1.5)
+    with pytest.raises(ValueError, match="WindowConfig.far_scores: expected 'exact' or 'windowed'"):
+        WindowConfig(far_scores="rope")
     with pytest.raises(ValueError, match="WindowConfig.window: expected an int >= 0, got -1"):
         WindowConfig(window=-1)
     with pytest.raises(ValueError, match="FarStore key_bits: expected 8 or 16, got 4"):
