@@ -111,10 +111,7 @@ class EditSession:
         reused = 0
         for p in pieces:
             if p.kind == "keep":
-                s, e = p.old_start, p.old_start + p.length
-                pos = old.table.pos[:, s:e] + (p.shift if fix_positions else 0)
-                new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
-                reused += p.length
+                reused += _append_kept(old, new, p, fix_positions)
             else:
                 s0 = new.num_slots
                 zeros = [(torch.zeros_like(l.raw_k[:, :, :p.length]), torch.zeros_like(l.v[:, :, :p.length]))
@@ -145,10 +142,7 @@ class EditSession:
         enc = reused = 0
         for p in pieces:
             if p.kind == "keep":
-                s, e = p.old_start, p.old_start + p.length
-                pos = old.table.pos[:, s:e] + (p.shift if fix_positions else 0)
-                new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
-                reused += p.length
+                reused += _append_kept(old, new, p, fix_positions)
             else:
                 extend(self.model, new, torch.tensor([p.ids]), positions=torch.arange(p.new_start,
                                                                                         p.new_start + p.length))
@@ -172,3 +166,12 @@ class EditSession:
         gen_kwargs.setdefault("do_sample", False)
         out = generate(self.model, cache, last, positions=pos, max_new_tokens=max_new_tokens, **gen_kwargs)
         return out[0, 1:]
+
+
+def _append_kept(old: PositionedCache, new: PositionedCache, piece, fix_positions: bool) -> int:
+    """Append the raw KV of one untouched segment of `old` to `new`, moved by its shift (or left at its old
+    positions when `fix_positions` is False: naive reuse); returns the number of slots reused."""
+    s, e = piece.old_start, piece.old_start + piece.length
+    pos = old.table.pos[:, s:e] + (piece.shift if fix_positions else 0)
+    new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
+    return piece.length

@@ -29,25 +29,23 @@ def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
 
 def rotate_ref(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     """x [B, H, S, D] (any dtype) -> float64 s * R_pos x, pos [S] or [B, S]; one explicit matrix per position."""
-    x = x.double()
-    B, H, S, D = x.shape
-    pos = (pos if pos.dim() == 2 else pos[None]).expand(B, S)
-    out = torch.empty_like(x)
-    for b in range(B):
-        for j in range(S):
-            out[b, :, j] = x[b, :, j] @ rotation_matrix_ref(int(pos[b, j]), spec).T
-    return out
+    return _per_position_ref(x, pos, lambda p: rotation_matrix_ref(p, spec))
 
 
 def unrotate_ref(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     """Inverse of rotate_ref via the explicit matrix inverse."""
+    return _per_position_ref(x, pos, lambda p: torch.linalg.inv(rotation_matrix_ref(p, spec)))
+
+
+def _per_position_ref(x: torch.Tensor, pos: torch.Tensor, matrix) -> torch.Tensor:
+    """x [B, H, S, D] -> float64 x @ matrix(pos).T per (batch, position); pos [S] or [B, S]; matrix(int) -> [D, D]."""
     x = x.double()
     B, H, S, D = x.shape
     pos = (pos if pos.dim() == 2 else pos[None]).expand(B, S)
     out = torch.empty_like(x)
     for b in range(B):
         for j in range(S):
-            out[b, :, j] = x[b, :, j] @ torch.linalg.inv(rotation_matrix_ref(int(pos[b, j]), spec)).T
+            out[b, :, j] = x[b, :, j] @ matrix(int(pos[b, j])).T
     return out
 
 
