@@ -42,35 +42,38 @@ static inline uint16_t bf16_store(float f) {
 #define ROPE_BLOCK 32
 #define ROPE_BODY(LOAD, STORE)                                                                                 \
     const int64_t h2 = R / 2;                                                                                  \
-    const int64_t nblk = (S + ROPE_BLOCK - 1) / ROPE_BLOCK, total = L * B * H * nblk;                         \
-    /* work item = (layer, batch row, head, block of ROPE_BLOCK tokens): index arithmetic once per block */   \
+    const int64_t nblk = (S + ROPE_BLOCK - 1) / ROPE_BLOCK, total = B * nblk;                                 \
+    /* work item = (batch row, block of ROPE_BLOCK tokens); inside it every layer and head, so the block's     \
+       cos/sin (ROPE_BLOCK * R floats) stay in L1 instead of being streamed again for each (layer, head) */    \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
     for (int64_t idx = 0; idx < total; idx++) {                                                               \
-        const int64_t blk = idx % nblk, r1 = idx / nblk, hh = r1 % H, r2 = r1 / H, b = r2 % B, l = r2 / B;    \
+        const int64_t blk = idx % nblk, b = idx / nblk;                                                       \
         const int64_t s0 = blk * ROPE_BLOCK, s1 = s0 + ROPE_BLOCK < S ? s0 + ROPE_BLOCK : S;                  \
-        const T *xrow = (const T *)xs[l] + b * xsb[l] + hh * xsh[l];                                          \
-        T *orow = (T *)outs[l] + b * osb[l] + hh * osh[l];                                                    \
         const float *crow = cs + (Bc > 1 ? b : 0) * S * h2, *nrow = sn + (Bc > 1 ? b : 0) * S * h2;           \
-        for (int64_t s = s0; s < s1; s++) {                                                                    \
-            const T *xv = xrow + s * D;                                                                        \
-            T *ov = orow + s * D;                                                                              \
-            const float *c = crow + s * h2, *n = nrow + s * h2;                                                \
-            if (layout == 0) {                                                                                 \
-                _Pragma("GCC ivdep")                                                                           \
-                for (int64_t i = 0; i < h2; i++) {                                                             \
-                    const float a = LOAD(xv[i]), e = LOAD(xv[i + h2]);                                         \
-                    ov[i] = STORE(a * c[i] - e * n[i]);                                                        \
-                    ov[i + h2] = STORE(e * c[i] + a * n[i]);                                                   \
+        for (int64_t l = 0; l < L; l++) for (int64_t hh = 0; hh < H; hh++) {                                   \
+            const T *xrow = (const T *)xs[l] + b * xsb[l] + hh * xsh[l];                                      \
+            T *orow = (T *)outs[l] + b * osb[l] + hh * osh[l];                                                \
+            for (int64_t s = s0; s < s1; s++) {                                                                \
+                const T *xv = xrow + s * D;                                                                    \
+                T *ov = orow + s * D;                                                                          \
+                const float *c = crow + s * h2, *n = nrow + s * h2;                                            \
+                if (layout == 0) {                                                                             \
+                    _Pragma("GCC ivdep")                                                                       \
+                    for (int64_t i = 0; i < h2; i++) {                                                         \
+                        const float a = LOAD(xv[i]), e = LOAD(xv[i + h2]);                                     \
+                        ov[i] = STORE(a * c[i] - e * n[i]);                                                    \
+                        ov[i + h2] = STORE(e * c[i] + a * n[i]);                                               \
+                    }                                                                                          \
+                } else {                                                                                       \
+                    _Pragma("GCC ivdep")                                                                       \
+                    for (int64_t i = 0; i < h2; i++) {                                                         \
+                        const float a = LOAD(xv[2 * i]), e = LOAD(xv[2 * i + 1]);                              \
+                        ov[2 * i] = STORE(a * c[i] - e * n[i]);                                                \
+                        ov[2 * i + 1] = STORE(e * c[i] + a * n[i]);                                            \
+                    }                                                                                          \
                 }                                                                                              \
-            } else {                                                                                           \
-                _Pragma("GCC ivdep")                                                                           \
-                for (int64_t i = 0; i < h2; i++) {                                                             \
-                    const float a = LOAD(xv[2 * i]), e = LOAD(xv[2 * i + 1]);                                  \
-                    ov[2 * i] = STORE(a * c[i] - e * n[i]);                                                    \
-                    ov[2 * i + 1] = STORE(e * c[i] + a * n[i]);                                                \
-                }                                                                                              \
+                for (int64_t i = R; i < D; i++) ov[i] = xv[i];                                                 \
             }                                                                                                  \
-            for (int64_t i = R; i < D; i++) ov[i] = xv[i];                                                     \
         }                                                                                                      \
     }
 
