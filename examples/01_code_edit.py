@@ -2,7 +2,9 @@
 
 The cache holds ~1k tokens of Python's textwrap.py with two real lines missing; the "developer" puts them back.
 Look at: the update times (PIE should be >10x faster than full) and whether each strategy predicts the same
-next line as full recomputation (naive reuse with stale positions usually does not).
+next line as full recomputation. On 200 samples per task (bench/pie_eval.py, results/pie_eval.md) PIE agrees with
+full on 76-86% of next lines and naive reuse on 73-85%: on this 135M model stale positions cost little, stale
+context (the suffix's values computed before the edit) costs the rest.
 """
 import sysconfig
 import time
