@@ -158,16 +158,19 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def strategy_names(ks: list[int]) -> list[tuple[str, str, int]]:
-    """(report name, EditSession strategy, k): "pie+k" is the first k; further k values report as "pie+k<k>"."""
-    out = [("full", "full", 0), ("pie", "pie", 0), ("naive", "naive", 0), ("pie+k", "pie+k", ks[0])]
-    return out + [(f"pie+k{k}", "pie+k", k) for k in ks[1:]]
+def strategy_names(ks: list[int], tail: int = 0) -> list[tuple[str, str, int, int]]:
+    """(report name, EditSession strategy, k, tail): "pie+k" is the first k; further k values report as
+    "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor."""
+    out = [("full", "full", 0, 0), ("pie", "pie", 0, 0), ("naive", "naive", 0, 0), ("pie+k", "pie+k", ks[0], 0)]
+    out += [(f"pie+k{k}", "pie+k", k, 0) for k in ks[1:]]
+    return out + ([("pie+tail", "pie", 0, tail)] if tail else [])
 
 
 @torch.no_grad()
-def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25) -> dict:
-    names = strategy_names(ks)
-    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, _, _ in names}
+def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25,
+        tail: int = 0) -> dict:
+    names = strategy_names(ks, tail)
+    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, *_ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
@@ -175,9 +178,9 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
         old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
         base = EditSession(model, old_ids)
         preds = {}
-        for name, strat, k in names:
+        for name, strat, k, t in names:
             sess = EditSession(model, old_ids, cache=base.cache.copy())
-            r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True)
+            r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True, tail=t)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
@@ -201,6 +204,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[16, 64],
                     help="pie+k: tokens re-encoded after each edit; the first value is reported as 'pie+k', "
                          "others as 'pie+k<k>'")
+    ap.add_argument("--tail", type=int, default=0,
+                    help="also report pie+tail: PIE that re-encodes the last TAIL tokens before the cursor")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -228,14 +233,14 @@ def main() -> None:
                                {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
                                 "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
         payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
-                   "context_tokens": a.context_tokens, "k": a.k,
+                   "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "tokens_encoded", "n")}
                                  for s, m in per.items()} for t, per in res.items()}}
         write_outputs(a.json, payload, table)
 
-    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report))
+    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail))
 
 
 if __name__ == "__main__":

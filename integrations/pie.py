@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from kvpos._checks import as_token_ids, check_int, fail
-from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen
+from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
 from kvpos.integrations.compose import recompute_slots
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
@@ -65,13 +65,19 @@ class EditSession:
 
     # -- edits -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def apply(self, edits: Sequence[Replace] | Replace, strategy: str = "pie", k: int = 8) -> EditResult:
-        """Apply edits (token indices of the current document) with `strategy`; the session moves to the new doc."""
+    def apply(self, edits: Sequence[Replace] | Replace, strategy: str = "pie", k: int = 8,
+              tail: int = 0) -> EditResult:
+        """Apply edits (token indices of the current document) with `strategy`; the session moves to the new doc.
+
+        tail (pie / pie+k / naive): also re-encode the last `tail` tokens of the document in the new context."""
         if strategy not in STRATEGIES:
             fail("apply strategy", f"one of {STRATEGIES}", repr(strategy))
         k = check_int("apply k", k)
         if k < 0:
             fail("apply k", "an int >= 0", k)
+        tail = check_int("apply tail", tail)
+        if tail < 0:
+            fail("apply tail", "an int >= 0", tail)
         edits = normalize(edits, self.length)
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
         if new_ids.numel() == 0:
@@ -84,18 +90,20 @@ class EditSession:
         else:
             if strategy == "pie+k":
                 edits = widen(self.ids, edits, k)
+            if tail:
+                edits = with_tail(self.ids, edits, tail)
             cache, enc, reused = self._splice(edits, fix_positions=strategy != "naive")
         dt = time.perf_counter() - t0
         self.ids, self.cache = new_ids, cache
         return EditResult(strategy, dt, int(enc), int(reused), len(edits))
 
     def apply_text(self, tokenizer: Any, new_text: str, strategy: str = "pie", k: int = 8,
-                   add_special_tokens: bool = False) -> EditResult:
+                   add_special_tokens: bool = False, tail: int = 0) -> EditResult:
         """Re-tokenize the whole new text, diff on tokens (tokenization can change around an edit) and apply."""
         if not isinstance(new_text, str):
             fail("apply_text new_text", "a str", type(new_text).__name__, exc=TypeError)
         new = tokenizer(new_text, add_special_tokens=add_special_tokens).input_ids
-        return self.apply(diff_tokens(self.ids, new), strategy, k)
+        return self.apply(diff_tokens(self.ids, new), strategy, k, tail=tail)
 
     def _splice(self, edits: list[Replace], fix_positions: bool) -> tuple[PositionedCache, int, int]:
         """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old

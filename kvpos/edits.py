@@ -17,8 +17,8 @@ import torch
 
 from ._checks import check_int, fail
 
-__all__ = ["Insert", "Delete", "Replace", "Edit", "normalize", "apply_edits", "diff_tokens", "widen", "plan",
-           "Piece"]
+__all__ = ["Insert", "Delete", "Replace", "Edit", "normalize", "apply_edits", "diff_tokens", "widen", "with_tail",
+           "plan", "Piece"]
 
 
 def _ids_list(what: str, ids: Iterable[int]) -> tuple[int, ...]:
@@ -116,6 +116,29 @@ def widen(ids: Sequence[int] | torch.Tensor, edits: Sequence[Replace], k: int) -
         end = max(e.end, min(e.end + k, limit))
         out.append(Replace(e.start, end, e.ids + tuple(ids[e.end:end])))
     return out
+
+
+def with_tail(ids: Sequence[int] | torch.Tensor, edits: Sequence[Replace], t: int) -> list[Replace]:
+    """Also re-encode the last t tokens of the document: the context a next-token prediction at the end attends to
+    most. Edits reaching into [n - t, n) merge with it into one Replace(min(start), n, new content)."""
+    ids = list(_ids_list("ids", ids))
+    t = check_int("with_tail t", t)
+    if t < 0:
+        fail("with_tail t", "an int >= 0", t)
+    norm = normalize(edits, len(ids))
+    n = len(ids)
+    if t == 0 or n == 0:
+        return norm
+    start = n - min(t, n)
+    head = [e for e in norm if e.end < start or (e.end == start and e.start < start)]
+    tail = norm[len(head):]
+    s0 = min([start] + [e.start for e in tail])
+    parts, cur = [], s0
+    for e in tail:
+        parts += ids[cur:e.start] + list(e.ids)
+        cur = e.end
+    parts += ids[cur:n]
+    return head + [Replace(s0, n, tuple(parts))]
 
 
 @dataclass(frozen=True)

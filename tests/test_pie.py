@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvpos.edits import Delete, Insert, Replace, apply_edits, diff_tokens, normalize, plan, widen
+from kvpos.edits import Delete, Insert, Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
 from kvpos.integrations.hf import PositionedCache, extend
 from kvpos.integrations.pie import EditSession
 from kvpos.integrations.testing import TINY_ARCHS, tiny_model
@@ -121,6 +121,33 @@ def test_edit_helpers():
     assert [(x.kind, x.new_start, x.length) for x in p] == [("keep", 0, 2), ("new", 2, 1), ("keep", 3, 3),
                                                              ("keep", 6, 3)][:2] + [("keep", 3, 3), ("keep", 6, 3)]
     assert p[-1].shift == -1
+
+
+def test_with_tail_merges_edits_reaching_the_tail():
+    ids = list(range(10))
+    assert with_tail(ids, [Insert(2, [100])], 3) == [Insert(2, [100]), Replace(7, 10, (7, 8, 9))]
+    # an edit inside the tail region merges with it into one replace up to the end
+    assert with_tail(ids, [Delete(8, 9)], 4) == [Replace(6, 10, (6, 7, 9))]
+    assert with_tail(ids, [Replace(5, 7, [50])], 4) == [Replace(5, 10, (50, 7, 8, 9))]
+    assert with_tail(ids, [Insert(10, [99])], 2) == [Replace(8, 10, (8, 9, 99))]
+    for t in (0, 1, 3, 9, 10, 50):
+        es = [Insert(3, [50]), Delete(8, 10), Replace(14, 15, [60, 61])]
+        assert apply_edits(range(20), with_tail(range(20), es, t)) == apply_edits(range(20), es)
+    with pytest.raises(ValueError, match="with_tail t"):
+        with_tail(ids, [], -1)
+
+
+def test_tail_covering_the_document_equals_full_on_a_deeper_model():
+    model = tiny_model("llama", num_hidden_layers=3)[0]
+    doc = _doc(2, 24)
+    full, tail, pie = EditSession(model, doc), EditSession(model, doc), EditSession(model, doc)
+    full.apply(EDIT_SETS["multi"], "full")
+    tail.apply(EDIT_SETS["multi"], "pie", tail=100)
+    pie.apply(EDIT_SETS["multi"], "pie")
+    assert (_probe(full) - _probe(tail)).abs().max() < 1e-4
+    assert (_probe(full) - _probe(pie)).abs().max() > 1e-4      # plain PIE is not exact here: the test can tell
+    with pytest.raises(ValueError, match="apply tail"):
+        pie.apply([Insert(0, [3])], "pie", tail=-2)
 
 
 @pytest.mark.parametrize("old,new", [
