@@ -244,14 +244,20 @@ def rope_kernel_available() -> bool:
     return _get() is not None
 
 
-def _eligible(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> bool:
-    return (
-        x.device.type == "cpu" and out.device.type == "cpu" and x.dtype == dtype and out.dtype == dtype
-        and dtype in (torch.float32, torch.bfloat16) and x.shape == shape and out.shape == shape
-        and x.stride(3) == 1 and out.stride(3) == 1 and x.stride(2) == shape[3] and out.stride(2) == shape[3]
-        and (out.data_ptr() != x.data_ptr() or x.stride() == out.stride())
-        and cos.dtype == torch.float32 and not x.requires_grad
-    )
+def _eligible(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor, xst: list[tuple],
+              ost: list[tuple], xp: list[int], op: list[int]) -> bool:
+    """CPU fp32/bf16 tensors of one shape, unit stride on D and stride D on S; in place only with equal strides.
+    Strides and pointers come precomputed (one call each per tensor: this runs on every re-positioning)."""
+    shape, dtype = xs[0].shape, xs[0].dtype
+    if len(shape) != 4 or dtype not in (torch.float32, torch.bfloat16) or cos.dtype != torch.float32:
+        return False
+    D = shape[3]
+    for x, o, a, b, pa, pb in zip(xs, outs, xst, ost, xp, op):
+        if (x.device.type != "cpu" or o.device.type != "cpu" or x.dtype != dtype or o.dtype != dtype
+                or x.shape != shape or o.shape != shape or x.requires_grad
+                or a[3] != 1 or b[3] != 1 or a[2] != D or b[2] != D or (pa == pb and a != b)):
+            return False
+    return True
 
 
 def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
@@ -264,7 +270,9 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     if not xs:
         return True
     shape, dtype = xs[0].shape, xs[0].dtype
-    if len(shape) != 4 or not all(_eligible(x, o, cos, shape, dtype) for x, o in zip(xs, outs)):
+    xst, ost = [x.stride() for x in xs], [o.stride() for o in outs]
+    xp, op = [x.data_ptr() for x in xs], [o.data_ptr() for o in outs]
+    if len(outs) != len(xs) or not _eligible(xs, outs, cos, xst, ost, xp, op):
         return False
     lib = _get()
     if lib is None:
@@ -278,10 +286,10 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     ptrs = (ctypes.c_void_p * L)
     ints = (ctypes.c_int64 * L)
     fn = lib.kvpos_rope_f32 if dtype == torch.float32 else lib.kvpos_rope_bf16
-    fn(ptrs(*[x.data_ptr() for x in xs]), ptrs(*[o.data_ptr() for o in outs]), cs.data_ptr(), sn.data_ptr(),
+    fn(ptrs(*xp), ptrs(*op), cs.data_ptr(), sn.data_ptr(),
        L, B, H, S, D, rotary_dim, cs.shape[0],
-       ints(*[x.stride(0) for x in xs]), ints(*[x.stride(1) for x in xs]),
-       ints(*[o.stride(0) for o in outs]), ints(*[o.stride(1) for o in outs]),
+       ints(*[a[0] for a in xst]), ints(*[a[1] for a in xst]),
+       ints(*[b[0] for b in ost]), ints(*[b[1] for b in ost]),
        1 if interleaved else 0, max(1, torch.get_num_threads()))
     return True
 
