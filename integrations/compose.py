@@ -31,7 +31,7 @@ from kvpos.store import ChunkKV, ChunkStore, Fingerprint, MemoryBackend, model_f
 from kvpos.integrations.hf import PositionedCache, extend
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkCache", "compose", "ComposeInfo",
-           "layout_allowed", "recompute_slots"]
+           "layout_allowed", "recompute_slots", "blend_recompute"]
 
 SEG_QUERY = 0        # question and generated tokens
 SEG_ANCHOR = 1       # the shared anchor prefix
@@ -289,28 +289,36 @@ def _run_layers(layers, lo: int, hi: int, hidden: torch.Tensor, pos: torch.Tenso
 
 def _selective_recompute(model: torch.nn.Module, cache: PositionedCache, anchor: Anchor, chunks: Sequence[ChunkKV],
                          info: ComposeInfo, ratio: float) -> int:
-    """CacheBlend: refresh layers 0-1 for every chunk token, pick the top `ratio` by layer-1 value deviation, carry
-    those tokens through layers 2.. (their KV replace the stored ones). Returns the number of tokens carried."""
+    """CacheBlend over the composed chunks (every slot after the anchor). Returns the number of tokens carried."""
+    A, N = anchor.length, cache.num_slots
+    ids = torch.cat([c.ids for c in chunks])
+    return blend_recompute(model, cache, torch.arange(A, N), ids, layout_allowed(info, A)[A:N, :N], ratio)
+
+
+def blend_recompute(model: torch.nn.Module, cache: PositionedCache, slots: torch.Tensor, ids: torch.Tensor,
+                    allowed: torch.Tensor, ratio: float, n_first: int = 2) -> int:
+    """CacheBlend on stale slots: refresh layers 0..n_first-1 for every token `ids` [S] at `slots` [S] (ascending;
+    slot slots[i] attends where allowed[i] [S, N] is True), pick the top `ratio` of them by the deviation of their
+    layer n_first-1 values (refreshed vs stored), carry those through the remaining layers. The KV of the carried
+    tokens replace the stored ones in place; the others keep their stale KV beyond layer n_first-1.
+    Returns the number of tokens carried through all layers."""
     base, layers, rotary = _decoder_layers(model)
-    A = anchor.length
-    N = cache.num_slots
-    slots = torch.arange(A, N)
-    ids = torch.cat([c.ids for c in chunks])[None]
-    pos = cache.positions[:, A:N]
-    allowed = layout_allowed(info, A)[A:N, :N]
-    dtype = next(model.parameters()).dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-    hidden = base.embed_tokens(ids)
     if hasattr(base, "embed_scale") or getattr(model.config, "model_type", "") == "gemma":
         fail("selective recompute model", "no embedding scaling (Gemma)", model.config.model_type)
-    v_old = cache.layers[1].v[:, :, A:N].clone()
-    n_first = min(2, len(layers))
+    S = int(slots.numel())
+    if S == 0:
+        return 0
+    pos = cache.positions[:, slots]
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    hidden = base.embed_tokens(ids[None])
+    n_first = min(n_first, len(layers))
+    v_old = cache.layers[n_first - 1].v[:, :, slots].clone()
     hidden = _run_layers(layers, 0, n_first, hidden, pos, mask, cache, slots, rotary)
     if n_first == len(layers):
-        return N - A
-    dev = (cache.layers[1].v[:, :, A:N] - v_old).float().pow(2).sum(dim=(1, 3))[0]   # [N-A]
-    n_sel = max(1, int(round(ratio * (N - A))))
+        return S
+    dev = (cache.layers[n_first - 1].v[:, :, slots] - v_old).float().pow(2).sum(dim=(1, 3))[0]   # [S]
+    n_sel = max(1, int(round(ratio * S)))
     sel = torch.topk(dev, n_sel).indices.sort().values
-    sub_mask = mask[:, :, sel]
-    _run_layers(layers, n_first, len(layers), hidden[:, sel], pos[:, sel], sub_mask, cache, slots[sel], rotary)
+    _run_layers(layers, n_first, len(layers), hidden[:, sel], pos[:, sel], mask[:, :, sel], cache, slots[sel], rotary)
     return n_sel

@@ -7,6 +7,9 @@ Strategies (per call):
   naive   "conflict fast" reuse: splice the encoded new tokens in and leave the old positions as they were
           (duplicated / gapped positions)
   pie+k   pie, and also re-encode the k tokens after every edit (their context changed the most)
+  pie+blend  pie, then CacheBlend on the stale tokens (all from the first kept token after an edit): layers 0-1
+          are refreshed for all of them, the `ratio` whose layer-1 values moved most are carried through every layer
+          (ratio = 1 equals full)
 
 Every update builds a new cache from the old one's raw KV (the old cache is only read), so a failure leaves the
 session exactly as it was.
@@ -26,12 +29,12 @@ import torch
 
 from kvpos._checks import as_token_ids, check_int, fail
 from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
-from kvpos.integrations.compose import recompute_slots
+from kvpos.integrations.compose import blend_recompute, recompute_slots
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
 __all__ = ["EditSession", "EditResult", "STRATEGIES"]
 
-STRATEGIES = ("full", "pie", "naive", "pie+k")
+STRATEGIES = ("full", "pie", "naive", "pie+k", "pie+blend")
 
 
 @dataclass
@@ -66,10 +69,11 @@ class EditSession:
     # -- edits -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def apply(self, edits: Sequence[Replace] | Replace, strategy: str = "pie", k: int = 8,
-              tail: int = 0) -> EditResult:
+              tail: int = 0, ratio: float = 0.1) -> EditResult:
         """Apply edits (token indices of the current document) with `strategy`; the session moves to the new doc.
 
-        tail (pie / pie+k / naive): also re-encode the last `tail` tokens of the document in the new context."""
+        tail (pie / pie+k / naive): also re-encode the last `tail` tokens of the document in the new context.
+        ratio (pie+blend): the fraction of the stale tokens carried through every layer."""
         if strategy not in STRATEGIES:
             fail("apply strategy", f"one of {STRATEGIES}", repr(strategy))
         k = check_int("apply k", k)
@@ -78,6 +82,8 @@ class EditSession:
         tail = check_int("apply tail", tail)
         if tail < 0:
             fail("apply tail", "an int >= 0", tail)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+            fail("apply ratio", "a fraction in [0, 1]", ratio)
         edits = normalize(edits, self.length)
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
         if new_ids.numel() == 0:
@@ -93,17 +99,21 @@ class EditSession:
             if tail:
                 edits = with_tail(self.ids, edits, tail)
             cache, enc, reused = self._splice(edits, fix_positions=strategy != "naive")
+            if strategy == "pie+blend":
+                stale = _stale_slots(plan(self.length, edits))
+                allowed = torch.arange(cache.num_slots)[None] <= stale[:, None]      # causal over the new document
+                enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, float(ratio))
         dt = time.perf_counter() - t0
         self.ids, self.cache = new_ids, cache
         return EditResult(strategy, dt, int(enc), int(reused), len(edits))
 
     def apply_text(self, tokenizer: Any, new_text: str, strategy: str = "pie", k: int = 8,
-                   add_special_tokens: bool = False, tail: int = 0) -> EditResult:
+                   add_special_tokens: bool = False, tail: int = 0, ratio: float = 0.1) -> EditResult:
         """Re-tokenize the whole new text, diff on tokens (tokenization can change around an edit) and apply."""
         if not isinstance(new_text, str):
             fail("apply_text new_text", "a str", type(new_text).__name__, exc=TypeError)
         new = tokenizer(new_text, add_special_tokens=add_special_tokens).input_ids
-        return self.apply(diff_tokens(self.ids, new), strategy, k, tail=tail)
+        return self.apply(diff_tokens(self.ids, new), strategy, k, tail=tail, ratio=ratio)
 
     def _splice(self, edits: list[Replace], fix_positions: bool) -> tuple[PositionedCache, int, int]:
         """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old
@@ -174,6 +184,14 @@ class EditSession:
         gen_kwargs.setdefault("do_sample", False)
         out = generate(self.model, cache, last, positions=pos, max_new_tokens=max_new_tokens, **gen_kwargs)
         return out[0, 1:]
+
+
+def _stale_slots(pieces: list) -> torch.Tensor:
+    """Slots (= new document indices) whose KV may be stale: everything from the first kept token that follows an
+    edit on (later edits' new tokens included: they attended to stale slots). [S] int64, ascending."""
+    after = [p.new_start for p in pieces if p.kind == "keep" and p.old_start > 0]
+    n = pieces[-1].new_start + pieces[-1].length if pieces else 0
+    return torch.arange(min(after), n) if after else torch.zeros(0, dtype=torch.long)
 
 
 def _append_kept(old: PositionedCache, new: PositionedCache, piece, fix_positions: bool) -> int:

@@ -63,9 +63,10 @@ class WindowConfig:
     true_distance: bool = False   # score far keys at their real positions (testing: equals full attention)
     far_scores: str = "exact"     # attention logits of the SELECTED far keys: "exact" (true positions, A²ATS) or
     #                               "windowed" (fixed distance r, InfLLM/ReRoPE style: no distance > r is ever seen)
+    dense_layers: int = 0         # the first n layers attend densely (Quest and A²ATS leave layers 0-1 dense)
 
     def __post_init__(self) -> None:
-        for what in ("sinks", "window", "distance", "block"):
+        for what in ("sinks", "window", "distance", "block", "dense_layers"):
             v = getattr(self, what)
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if what == "block" else 0):
                 fail(f"WindowConfig.{what}", "an int >= 0" if what != "block" else "an int >= 1", v)
@@ -214,7 +215,7 @@ def window_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     when the cache carries no WindowConfig."""
     cache = active_cache()
     cfg = getattr(cache, "window_cfg", None) if isinstance(cache, PositionedCache) else None
-    if cfg is None or cache.table.n != key.shape[2]:
+    if cfg is None or cache.table.n != key.shape[2] or module.layer_idx < cfg.dense_layers:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     layer = cache.layers[module.layer_idx]

@@ -165,3 +165,44 @@ def test_text_level_diff_handles_tokenization_changes(default_model, old, new):
     assert 0 < r.tokens_encoded < len(tok(new).input_ids)      # only the changed tokens were encoded
     full = EditSession(model, tok(new).input_ids)
     assert (_probe(full) - _probe(sess)).abs().max() < 50      # sanity: same document, finite logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", list(EDIT_SETS))
+def test_pie_blend_with_ratio_one_equals_full(arch, kind):
+    model = tiny_model(arch, num_hidden_layers=4)[0]
+    doc = _doc(3, 24)
+    full, blend = EditSession(model, doc), EditSession(model, doc)
+    full.apply(EDIT_SETS[kind], "full")
+    blend.apply(EDIT_SETS[kind], "pie+blend", ratio=1.0)
+    assert (_probe(full) - _probe(blend)).abs().max() < 1e-4
+    assert blend.cache.positions.tolist() == [list(range(blend.length))]
+
+
+def test_pie_blend_partial_ratio_lies_between_pie_and_full():
+    model = tiny_model("llama", num_hidden_layers=4)[0]
+    doc = _doc(4, 40)
+    s = {m: EditSession(model, doc) for m in ("full", "pie", "pie+blend")}
+    for m, sess in s.items():
+        r = sess.apply(EDIT_SETS["multi"], m, ratio=0.5)
+    # new doc: 42 tokens; stale = slots 4..41 (from the first kept token after Insert(3)) = 38; half carried + 5 new
+    assert r.tokens_encoded == 5 + 19
+    err = {m: (_probe(s["full"]) - _probe(s[m])).abs().max().item() for m in ("pie", "pie+blend")}
+    assert err["pie+blend"] < err["pie"], err
+    # layers 0-1 are refreshed for every stale token: they equal full's
+    for i in (0, 1):
+        f, b = s["full"].cache.layers[i], s["pie+blend"].cache.layers[i]
+        assert (f.keys - b.keys).abs().max() < 1e-4 and (f.values - b.values).abs().max() < 1e-4
+
+
+def test_pie_blend_rejects_bad_ratio_and_sliding_models():
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    sess = EditSession(model, _doc())
+    before = sess.ids.clone()
+    with pytest.raises(ValueError, match=r"apply ratio: expected a fraction in \[0, 1\], got 1.5"):
+        sess.apply([Insert(2, [3])], "pie+blend", ratio=1.5)
+    assert torch.equal(sess.ids, before)
+    g = EditSession(tiny_model("gemma3", num_hidden_layers=2)[0], _doc())
+    with pytest.raises(ValueError, match="selective recompute model"):
+        g.apply([Insert(2, [3])], "pie+blend")
+    assert g.length == 20

@@ -172,3 +172,19 @@ def test_topk_indices_matches_torch_topk():
     ties = torch.zeros(2, 100)
     ties[:, 10:30] = 1.0
     assert all(set(range(10, 30)) <= set(r.tolist()) for r in topk_indices(ties, 25))
+
+
+def test_dense_layers_attend_densely_and_the_rest_sparsely():
+    model, cache, q = _prefilled("llama")
+    ref = extend(model, cache.copy(), q)
+    n_layers = model.config.num_hidden_layers
+    sparse = WindowConfig(sinks=2, window=4, selector="none")
+    all_dense = window_extend(model, cache.copy(), q, WindowConfig(sinks=2, window=4, selector="none",
+                                                                   dense_layers=n_layers))
+    assert (all_dense - ref).abs().max() < 1e-4
+    one_dense = window_extend(model, cache.copy(), q, WindowConfig(sinks=2, window=4, selector="none",
+                                                                   dense_layers=1))
+    none_dense = window_extend(model, cache.copy(), q, sparse)
+    assert (one_dense - none_dense).abs().max() > 1e-4       # the dense first layer changes the result
+    with pytest.raises(ValueError, match="WindowConfig.dense_layers"):
+        WindowConfig(dense_layers=-1)
