@@ -5,7 +5,8 @@ Strategies (per call):
   pie     Positional Integrity Encoding: keep the untouched segments' KV, move each by its cumulative shift (one
           rotation of the raw keys, values unchanged), encode only the new tokens on top of what precedes them
   naive   "conflict fast" reuse: splice the encoded new tokens in and leave the old positions as they were
-          (duplicated / gapped positions)
+          (duplicated / gapped positions); generation continues at the document's true positions, as a plain
+          generate loop does (position = document length), so the stale suffix sits shift positions off
   pie+k   pie, and also re-encode the k tokens after every edit (their context changed the most)
   pie+blend  pie, then CacheBlend on the stale tokens (all from the first kept token after an edit): layers 0-1
           are refreshed for all of them, the `ratio` whose layer-1 values moved most are carried through every layer
@@ -180,7 +181,8 @@ class EditSession:
         keep_to = c - 1                 # the token before the cursor is re-fed to get its next-token logits
         cache.keep_(torch.arange(keep_to))
         last = self.ids[c - 1:c][None]
-        pos = self.cache.table.pos[:, c - 1:c]
+        pos = torch.tensor([[c - 1]])   # the document index, as any generate loop has it (= the slot's position
+        #                                 after full / pie; naive's stale slots disagree: its "temporal confusion")
         gen_kwargs.setdefault("do_sample", False)
         out = generate(self.model, cache, last, positions=pos, max_new_tokens=max_new_tokens, **gen_kwargs)
         return out[0, 1:]
