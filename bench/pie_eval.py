@@ -12,6 +12,9 @@ Samples (the FINAL document is always the real file):
   insertion  the cache holds the document with 1-4 real lines removed; the edit puts them back
   deletion   the cache holds the document with 1-4 real lines from elsewhere in the corpus added; the edit removes them
   multi      three edits of both kinds
+Strategies: full, pie, naive (conflict fast: stale positions kept, generation at the true positions), pie+k (also
+re-encode k tokens after each edit); optional pie+tail (--tail) and pie+blend<r> (--blend: CacheBlend over the stale
+tokens, layers 0-1 refreshed for all, the r whose layer-1 values moved most carried through all layers).
 Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
 Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
 prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
