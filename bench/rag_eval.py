@@ -144,7 +144,9 @@ def main() -> None:
     ap.add_argument("--ape", action="store_true", help="add the APE method (issue 3) with --temperature/--scale")
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--scale", type=float, default=None)
-    ap.add_argument("--sweep", action="store_true", help="APE T/S sweep (with --ape)")
+    ap.add_argument("--sweep", action="store_true", help="APE T/S sweep (with --ape) over --grid-t x --grid-s")
+    ap.add_argument("--grid-t", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0], help="sweep temperatures")
+    ap.add_argument("--grid-s", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0], help="sweep scales")
     ap.add_argument("--only", nargs="*", default=None,
                     help="keep only these base methods (full is always kept), e.g. --only parallel for a sweep")
     ap.add_argument("--passages-header", default="",
@@ -175,7 +177,7 @@ def main() -> None:
         ape_params = {"ape": {"temperature": T, "scale": S}}
         if a.sweep:
             ape_params = {f"ape_T{t}_S{s}": {"temperature": t, "scale": s}
-                          for t in (0.5, 0.7, 0.9, 1.0) for s in (0.5, 0.7, 0.9, 1.0)}
+                          for t in a.grid_t for s in a.grid_s}
     methods = build_methods(model, cc, a.link_k, a.ratio, ape_params)
     if a.only is not None:
         methods = [m for m in methods if m.name == "full" or m.name in a.only or m.name.startswith("ape")]
