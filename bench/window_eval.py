@@ -8,8 +8,9 @@ Needle: "The access code for the <place> is <NNNN>." planted at a random depth o
 for in the chat template. --question dense (default; the Quest / A²ATS protocol: prefill dense, decode sparse): the
 context and the question but its last token are prefilled with full attention; the last prompt token and every
 answer token go through each method. --question sparse (stricter): only the context is prefilled densely; every
-question token is encoded with each method too. PPL: the first `context` tokens of an essay stream prefilled, the next 256 tokens
-scored with each method (teacher forcing).
+question token is encoded with each method too.
+PPL: the first `context` tokens of an essay stream prefilled, the next 256 tokens scored with each method (teacher
+forcing).
 Methods: full; streaming (sinks 8 + window 64 only); wrope_exact (windowed RoPE, r = 2048, exact top-k of the far
 tokens by their windowed score); wrope_index (top-k by scores against an int8 copy of the raw keys, the index the
 fast decode path reads); wrope_blocks (top blocks by Quest bounds on raw keys) at each budget (fraction of far
@@ -190,8 +191,8 @@ def main() -> None:
                            {"budget": ".2f", "needle_acc": ".1f", "acc_vs_full": ".1f", "ppl": ".2f",
                             "index_recall": ".3f"})
     payload = {"model": getattr(model, "name_or_path", "?"), "needles": a.needles, "machine": machine(),
-               "config": {"sinks": 8, "window": 64, "distance": 2048, "far_scores": a.far_scores, "question": a.question,
-                          "long_far_scores": "windowed"}, "rows": rows}
+               "config": {"sinks": 8, "window": 64, "distance": 2048, "far_scores": a.far_scores,
+                          "question": a.question, "long_far_scores": "windowed"}, "rows": rows}
     write_outputs(a.json, payload, table)
     png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")
     series = {}
