@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from kvpos._checks import as_token_ids, fail
+from kvpos._checks import as_token_ids, check_fraction, fail
 from kvpos.store import ChunkKV, ChunkStore, Fingerprint, MemoryBackend, model_fingerprint
 from kvpos.integrations.hf import PositionedCache, extend
 
@@ -174,8 +174,7 @@ def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], l
         fail("compose layout", "'sequential' or 'parallel'", repr(layout))
     if not isinstance(link_k, int) or link_k < 0:
         fail("compose link_k", "an int >= 0", link_k)
-    if not 0.0 <= float(recompute_ratio) <= 1.0:
-        fail("compose recompute_ratio", "a fraction in [0, 1]", recompute_ratio)
+    recompute_ratio = check_fraction("compose recompute_ratio", recompute_ratio)
     if link_k and layout == "parallel":
         fail("compose link_k", "0 with layout='parallel' (link tokens re-encode against the chunks placed before "
              "them; in parallel layout nothing is placed before a chunk but the anchor)", link_k)
@@ -203,7 +202,7 @@ def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], l
         slots = torch.cat(link_slots)
         info.tokens_computed += _recompute_slots(model, cache, slots, torch.cat(link_ids), info, A)
     if recompute_ratio > 0:
-        n = _selective_recompute(model, cache, anchor, chunks, info, float(recompute_ratio))
+        n = _selective_recompute(model, cache, anchor, chunks, info, recompute_ratio)
         info.tokens_computed += n
         info.tokens_reused -= n
     info.next_position = int(cache.next_position().max())

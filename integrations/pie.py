@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvpos._checks import as_token_ids, check_int, fail
+from kvpos._checks import as_token_ids, check_fraction, check_int, fail
 from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
 from kvpos.integrations.compose import blend_recompute, recompute_slots
 from kvpos.integrations.hf import PositionedCache, extend, generate
@@ -83,8 +83,7 @@ class EditSession:
         tail = check_int("apply tail", tail)
         if tail < 0:
             fail("apply tail", "an int >= 0", tail)
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
-            fail("apply ratio", "a fraction in [0, 1]", ratio)
+        ratio = check_fraction("apply ratio", ratio)
         edits = normalize(edits, self.length)
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
         if new_ids.numel() == 0:
@@ -103,7 +102,7 @@ class EditSession:
             if strategy == "pie+blend":
                 stale = _stale_slots(plan(self.length, edits))
                 allowed = torch.arange(cache.num_slots)[None] <= stale[:, None]      # causal over the new document
-                enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, float(ratio))
+                enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, ratio)
         dt = time.perf_counter() - t0
         self.ids, self.cache = new_ids, cache
         return EditResult(strategy, dt, int(enc), int(reused), len(edits))

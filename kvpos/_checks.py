@@ -23,6 +23,13 @@ def check_int(what: str, value: Any) -> int:
     return int(value)
 
 
+def check_fraction(what: str, value: Any) -> float:
+    """Return `value` (an int or float in [0, 1]) as a float, or raise ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        fail(what, "a fraction in [0, 1]", value)
+    return float(value)
+
+
 def check_range(what: str, start: Any, end: Any, n: int) -> tuple[int, int]:
     """Validate a slot range [start, end) inside [0, n]."""
     start, end = check_int(f"{what} start", start), check_int(f"{what} end", end)
