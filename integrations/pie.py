@@ -98,9 +98,10 @@ class EditSession:
                 edits = widen(self.ids, edits, k)
             if tail:
                 edits = with_tail(self.ids, edits, tail)
-            cache, enc, reused = self._splice(edits, fix_positions=strategy != "naive")
+            pieces = plan(self.length, edits)
+            cache, enc, reused = self._splice(pieces, fix_positions=strategy != "naive")
             if strategy == "pie+blend":
-                stale = _stale_slots(plan(self.length, edits))
+                stale = _stale_slots(pieces)
                 allowed = torch.arange(cache.num_slots)[None] <= stale[:, None]      # causal over the new document
                 enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, ratio)
         dt = time.perf_counter() - t0
@@ -115,14 +116,13 @@ class EditSession:
         new = tokenizer(new_text, add_special_tokens=add_special_tokens).input_ids
         return self.apply(diff_tokens(self.ids, new), strategy, k, tail=tail, ratio=ratio)
 
-    def _splice(self, edits: list[Replace], fix_positions: bool) -> tuple[PositionedCache, int, int]:
+    def _splice(self, pieces: list, fix_positions: bool) -> tuple[PositionedCache, int, int]:
         """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old
         positions for naive) and placeholder slots for the new tokens, which ONE forward then encodes in place, each
         new token attending to every slot before it (causal over the new document)."""
         old = self.cache
         old._check_idle("apply")
         new = old.empty_like()
-        pieces = plan(self.length, edits)
         n_new = sum(p.length for p in pieces)
         new.reserve_(n_new + 16)
         new_slots, new_ids = [], []
