@@ -19,6 +19,7 @@ Methods: full, sequential, seq_link{k}, parallel, selective{r}; ape / ape sweep 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -43,11 +44,14 @@ def _norm(s: str) -> str:
 
 
 class Method:
-    """How a request's cache is built: `prefill(parts, extra_ids)` -> logits [1, Q + E, V] over question + extra,
-    and a cache positioned after them (or None for `full`, which uses plain generate)."""
+    """How a request's cache is built: `run(parts, extra_ids)` -> logits [1, Q + E, V] over question + extra,
+    and a cache positioned after them (or None for `full`, which uses plain generate). `attend(cache)` is the
+    context the answer tokens are generated in (APE methods: the same APE attention as the question)."""
 
-    def __init__(self, name: str, run: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]) -> None:
+    def __init__(self, name: str, run: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]],
+                 attend: Callable[[Any], Any] | None = None) -> None:
         self.name, self.run = name, run
+        self.attend = attend or (lambda cache: contextlib.nullcontext())
 
 
 def build_methods(model, cc: ChunkCache, link_ks, ratio: float, ape_params=None) -> list[Method]:
@@ -71,7 +75,8 @@ def build_methods(model, cc: ChunkCache, link_ks, ratio: float, ape_params=None)
     if ratio > 0:
         ms += [Method(f"selective{int(round(ratio * 100))}", kv("sequential", r=ratio))]
     for name, p in (ape_params or {}).items():
-        ms += [Method(name, kv("parallel", ape=p))]
+        from kvpos.integrations.ape import use_ape
+        ms += [Method(name, kv("parallel", ape=p), attend=lambda cache, p=p: use_ape(model, cache, **p))]
     return ms
 
 
@@ -108,8 +113,9 @@ def evaluate(model, tok, builder, methods: list[Method], items: list[dict], max_
                 t_first = int(logits_q[0, -1].argmax())
                 gen = [t_first]
                 if t_first != eos and max_new > 1:
-                    out = generate(model, cache, torch.tensor([[t_first]]), max_new_tokens=max_new - 1,
-                                   do_sample=False, pad_token_id=eos)
+                    with m.attend(cache):     # APE: the answer tokens attend with APE too, as the question did
+                        out = generate(model, cache, torch.tensor([[t_first]]), max_new_tokens=max_new - 1,
+                                       do_sample=False, pad_token_id=eos)
                     gen += out[0, 1:].tolist()
             per[m.name]["t"].append(time.perf_counter() - t0)
             text = tok.decode(gen, skip_special_tokens=True).strip()
@@ -147,6 +153,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="APE T/S sweep (with --ape) over --grid-t x --grid-s")
     ap.add_argument("--grid-t", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0], help="sweep temperatures")
     ap.add_argument("--grid-s", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0], help="sweep scales")
+    ap.add_argument("--ape-cal", type=int, default=0, metavar="N",
+                    help="add method ape_cal: T and S per layer and head fitted by calibrate_ape on N calibration "
+                         "items (built with seed + 1000, never the evaluated ones)")
+    ap.add_argument("--cal-fit-scale", type=int, choices=[0, 1], default=1, help="ape_cal: fit S too (1) or keep S=1")
+    ap.add_argument("--cal-json", default=None, help="write the fitted calibration here (JSON)")
     ap.add_argument("--only", nargs="*", default=None,
                     help="keep only these base methods (full is always kept), e.g. --only parallel for a sweep")
     ap.add_argument("--passages-header", default="",
@@ -178,6 +189,16 @@ def main() -> None:
         if a.sweep:
             ape_params = {f"ape_T{t}_S{s}": {"temperature": t, "scale": s}
                           for t in a.grid_t for s in a.grid_s}
+    if a.ape_cal:
+        from kvpos.integrations.ape import calibrate_ape
+        cal_items = needle_items(tok, a.ape_cal, a.passages, a.passage_tokens, a.seed + 1000)
+        cal = calibrate_ape(model, cc, [builder.parts(i["passages"], i["question"]) for i in cal_items],
+                            fit_scale=bool(a.cal_fit_scale))
+        if a.cal_json:
+            cal.save(a.cal_json)
+        print(f"ape_cal: T per layer (mean over heads) {[round(float(x), 2) for x in cal.temperature.mean(1)]}")
+        print(f"ape_cal: S per layer (mean over heads) {[round(float(x), 2) for x in cal.scale.mean(1)]}")
+        ape_params = dict(ape_params or {}, ape_cal=cal.knobs())
     methods = build_methods(model, cc, a.link_k, a.ratio, ape_params)
     if a.only is not None:
         methods = [m for m in methods if m.name == "full" or m.name in a.only or m.name.startswith("ape")]
