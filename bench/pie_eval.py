@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from _common import machine, markdown_table, write_outputs
+from _common import machine, markdown_table, plot, write_outputs
 from kvpos.integrations.hf import load_model
 from kvpos.integrations.pie import EditSession
 
@@ -202,6 +202,16 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
     return summarize(res)
 
 
+def plot_cost_quality(tasks: dict, path: str | None) -> None:
+    """Agreement with full vs update time (fraction of full's), one line per task through its strategies."""
+    series = {}
+    for t, per in tasks.items():
+        pts = sorted((m["update_ratio_vs_full"], m["agree_full"], s) for s, m in per.items() if s != "naive")
+        series[t] = ([x for x, _, _ in pts], [y for _, y, _ in pts])
+    plot(path, series, "cache-update time / full recompute", "agreement with full (%)",
+         "PIE and beyond: quality vs update cost (naive omitted)", logx=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=None)
@@ -249,6 +259,8 @@ def main() -> None:
                                                           "update_ratio_vs_full", "tokens_encoded", "n")}
                                  for s, m in per.items()} for t, per in res.items()}}
         write_outputs(a.json, payload, table)
+        if not partial and a.json:
+            plot_cost_quality(payload["tasks"], a.json.rsplit(".", 1)[0] + ".png")
 
     for r in a.blend:
         if not 0.0 < r <= 1.0:
