@@ -265,7 +265,8 @@ def xformers_available() -> bool:
 
 def _ape_xformers(q, k, v, allowed, is_ctx, sm, T, S, q_is_ctx=None):
     """Two memory_efficient_attention calls (context with queries / T, others plain) returning LSEs, merged as
-    APE; T and S are floats or [Hq] tensors. Masks are dense additive biases (the question/generation phase has few queries)."""
+    APE; T and S are floats or [Hq] tensors. Masks are dense additive biases (the question/generation phase has
+    few queries)."""
     import xformers.ops as xops
 
     B, Hq, Lq, D = q.shape
