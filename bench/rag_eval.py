@@ -59,14 +59,11 @@ def build_methods(model, cc: ChunkCache, link_ks, ratio: float, ape_params=None)
         ids = torch.cat([parts.full_ids(), tail[None]], 1)
         return model(ids).logits[:, parts.full_ids().shape[1] - parts.question.numel():], None
 
-    def kv(layout, link_k=0, r=0.0, ape=None):
+    def kv(layout, link_k=0, r=0.0, attend=contextlib.nullcontext):
         def run(parts, tail):
             cache, _ = cc.compose(parts.chunks, layout=layout, link_k=link_k, recompute_ratio=r)
-            ids = torch.cat([parts.question, tail])[None]
-            if ape is not None:
-                from kvpos.integrations.ape import ape_extend
-                return ape_extend(model, cache, ids, **ape), cache
-            return extend(model, cache, ids), cache
+            with attend(cache):     # the same attention as the answer is generated with (Method.attend)
+                return extend(model, cache, torch.cat([parts.question, tail])[None]), cache
         return run
 
     ms = [Method("full", full), Method("sequential", kv("sequential"))]
@@ -76,7 +73,8 @@ def build_methods(model, cc: ChunkCache, link_ks, ratio: float, ape_params=None)
         ms += [Method(f"selective{int(round(ratio * 100))}", kv("sequential", r=ratio))]
     for name, p in (ape_params or {}).items():
         from kvpos.integrations.ape import use_ape
-        ms += [Method(name, kv("parallel", ape=p), attend=lambda cache, p=p: use_ape(model, cache, **p))]
+        attend = lambda cache, p=p: use_ape(model, cache, **p)  # noqa: E731
+        ms += [Method(name, kv("parallel", attend=attend), attend=attend)]
     return ms
 
 
