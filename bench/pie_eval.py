@@ -2,7 +2,7 @@
 
     python bench/pie_eval.py --json results/pie_eval.json [--samples 200] [--context-tokens 2048] [--k 8]
                              [--corpus DIR] [--model smollm2|gemma3|PATH] [--tasks insertion deletion multi]
-                             [--tail 128] [--blend 0.1 0.2]
+                             [--tail 128] [--blend 0.1 0.2] [--also pie+k16+tail256 pie+tail512]
 
 Samples (the FINAL document is always the real file):
   a target line L of a real source file with ~context-tokens tokens of the file before it; the document is the
@@ -14,7 +14,9 @@ Samples (the FINAL document is always the real file):
   multi      three edits of both kinds
 Strategies: full, pie, naive (conflict fast: stale positions kept, generation at the true positions), pie+k (also
 re-encode k tokens after each edit); optional pie+tail (--tail) and pie+blend<r> (--blend: CacheBlend over the stale
-tokens, layers 0-1 refreshed for all, the r whose layer-1 values moved most carried through all layers).
+tokens, layers 0-1 refreshed for all, the r whose layer-1 values moved most carried through all layers); --also takes
+any further specs "pie[+k<K>][+tail<T>]" (e.g. pie+k16+tail256: k tokens after each edit AND the last T tokens before
+the cursor re-encoded).
 Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
 Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
 prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
@@ -26,6 +28,7 @@ import argparse
 import difflib
 import os
 import random
+import re
 import statistics
 import sys
 import sysconfig
@@ -162,7 +165,19 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = ()
+_SPEC = re.compile(r"pie(?:\+k(\d+))?(?:\+tail(\d+))?")
+
+
+def parse_spec(spec: str) -> tuple[str, str, int, int, float]:
+    """"pie+k16+tail256" -> (name, EditSession strategy, k, tail, ratio); raises SystemExit naming the bad spec."""
+    m = _SPEC.fullmatch(spec)
+    if m is None:
+        raise SystemExit(f"--also: expected specs like pie+k16, pie+tail256 or pie+k16+tail256, got {spec!r}")
+    k, t = int(m.group(1) or 0), int(m.group(2) or 0)
+    return spec, ("pie+k" if m.group(1) else "pie"), k, t, 0.0
+
+
+def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = ()
                    ) -> list[tuple[str, str, int, int, float]]:
     """(report name, EditSession strategy, k, tail, ratio): "pie+k" is the first k; further k values report as
     "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor;
@@ -171,13 +186,19 @@ def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = ()
            ("pie+k", "pie+k", ks[0], 0, 0.0)]
     out += [(f"pie+k{k}", "pie+k", k, 0, 0.0) for k in ks[1:]]
     out += [("pie+tail", "pie", 0, tail, 0.0)] if tail else []
-    return out + [(f"pie+blend{round(100 * r)}", "pie+blend", 0, 0, r) for r in blend]
+    out += [(f"pie+blend{round(100 * r)}", "pie+blend", 0, 0, r) for r in blend]
+    out += [parse_spec(x) for x in also]
+    names = [n for n, *_ in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SystemExit(f"strategies: each reported once, got {dup} twice (drop it from --also)")
+    return out
 
 
 @torch.no_grad()
 def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25,
-        tail: int = 0, blend: tuple[float, ...] = ()) -> dict:
-    names = strategy_names(ks, tail, blend)
+        tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = ()) -> dict:
+    names = strategy_names(ks, tail, blend, also)
     res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, *_ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
@@ -226,6 +247,8 @@ def main() -> None:
                     help="also report pie+tail: PIE that re-encodes the last TAIL tokens before the cursor")
     ap.add_argument("--blend", type=float, nargs="*", default=[],
                     help="also report pie+blend<100 r> for each ratio r: CacheBlend on the stale tokens after the edits")
+    ap.add_argument("--also", nargs="*", default=[],
+                    help="further strategies pie[+k<K>][+tail<T>], e.g. pie+k16+tail256 (reported under that name)")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -233,6 +256,10 @@ def main() -> None:
     a = ap.parse_args()
     if not 256 <= a.context_tokens <= 8000:
         raise SystemExit(f"--context-tokens: expected 256..8000, got {a.context_tokens}")
+    for r in a.blend:
+        if not 0.0 < r <= 1.0:
+            raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
+    strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also))      # bad specs fail before the model loads
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     files = corpus_files(a.corpus)
@@ -254,6 +281,7 @@ def main() -> None:
                                 "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
         payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
                    "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
+                   "also": a.also,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "tokens_encoded", "n")}
@@ -262,10 +290,8 @@ def main() -> None:
         if not partial and a.json:
             plot_cost_quality(payload["tasks"], a.json.rsplit(".", 1)[0] + ".png")
 
-    for r in a.blend:
-        if not 0.0 < r <= 1.0:
-            raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
-    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend)))
+    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
+               also=tuple(a.also)))
 
 
 if __name__ == "__main__":

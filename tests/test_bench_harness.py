@@ -1,4 +1,5 @@
-"""The benchmark harnesses score what they claim: bench/rag_eval.py generates APE answers with APE attention."""
+"""The benchmark harnesses score what they claim: bench/rag_eval.py generates APE answers with APE attention;
+bench/pie_eval.py runs the strategy each --also spec names."""
 import sys
 from pathlib import Path
 
@@ -6,6 +7,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import pie_eval  # noqa: E402
+import pytest  # noqa: E402
 import rag_eval  # noqa: E402
 
 from kvpos.integrations.ape import ape_generate  # noqa: E402
@@ -38,3 +41,16 @@ def test_rag_eval_generates_ape_answers_under_ape_attention():
     want = want[0, parts.question.numel():].tolist()
     assert answer(attend=True) == want
     assert answer(attend=False) != want      # generating outside APE (the old harness bug) gives other tokens
+
+
+def test_pie_eval_specs_name_the_session_call():
+    assert pie_eval.parse_spec("pie+k16+tail256") == ("pie+k16+tail256", "pie+k", 16, 256, 0.0)
+    assert pie_eval.parse_spec("pie+tail512") == ("pie+tail512", "pie", 0, 512, 0.0)
+    assert pie_eval.parse_spec("pie+k8") == ("pie+k8", "pie+k", 8, 0, 0.0)
+    names = [n for n, *_ in pie_eval.strategy_names([16], also=("pie+k16+tail256",))]
+    assert names == ["full", "pie", "naive", "pie+k", "pie+k16+tail256"]
+    for bad in ("pie+tail", "k16", "pie+tail256+k16", "naive"):
+        with pytest.raises(SystemExit, match="--also"):
+            pie_eval.parse_spec(bad)
+    with pytest.raises(SystemExit, match="twice"):
+        pie_eval.strategy_names([16, 64], also=("pie+k64",))
