@@ -16,7 +16,8 @@ Strategies: full, pie, naive (conflict fast: stale positions kept, generation at
 re-encode k tokens after each edit); optional pie+tail (--tail) and pie+blend<r> (--blend: CacheBlend over the stale
 tokens, layers 0-1 refreshed for all, the r whose layer-1 values moved most carried through all layers); --also takes
 any further specs "pie[+k<K>][+tail<T>]" (e.g. pie+k16+tail256: k tokens after each edit AND the last T tokens before
-the cursor re-encoded).
+the cursor re-encoded) or "pie+attn<P>[+probe<Q>]" (query-aware: the last Q tokens' attention picks P% of the stale
+tokens to re-encode, EditSession's pie+attn).
 Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
 Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
 prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
@@ -166,27 +167,32 @@ def summarize(res: dict) -> dict:
 
 
 _SPEC = re.compile(r"pie(?:\+k(\d+))?(?:\+tail(\d+))?")
+_ATTN = re.compile(r"pie\+attn(\d+)(?:\+probe(\d+))?")
 
 
-def parse_spec(spec: str) -> tuple[str, str, int, int, float]:
-    """"pie+k16+tail256" -> (name, EditSession strategy, k, tail, ratio); raises SystemExit naming the bad spec."""
+def parse_spec(spec: str) -> tuple[str, str, dict]:
+    """"pie+k16+tail256" -> (name, EditSession strategy, its keyword arguments); "pie+attn10+probe32" -> pie+attn with
+    ratio 0.10 and probe 32 (default 16). Raises SystemExit naming the bad spec."""
     m = _SPEC.fullmatch(spec)
-    if m is None:
-        raise SystemExit(f"--also: expected specs like pie+k16, pie+tail256 or pie+k16+tail256, got {spec!r}")
-    k, t = int(m.group(1) or 0), int(m.group(2) or 0)
-    return spec, ("pie+k" if m.group(1) else "pie"), k, t, 0.0
+    if m is not None:
+        k, t = int(m.group(1) or 0), int(m.group(2) or 0)
+        return spec, ("pie+k" if m.group(1) else "pie"), {"k": k, "tail": t}
+    m = _ATTN.fullmatch(spec)
+    if m is not None and 0 < int(m.group(1)) <= 100:
+        return spec, "pie+attn", {"ratio": int(m.group(1)) / 100, "probe": int(m.group(2) or 16)}
+    raise SystemExit(f"--also: expected specs like pie+k16, pie+tail256, pie+k16+tail256 or pie+attn10[+probe32] "
+                     f"(attn percent 1..100), got {spec!r}")
 
 
 def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = ()
-                   ) -> list[tuple[str, str, int, int, float]]:
-    """(report name, EditSession strategy, k, tail, ratio): "pie+k" is the first k; further k values report as
+                   ) -> list[tuple[str, str, dict]]:
+    """(report name, EditSession strategy, keyword arguments): "pie+k" is the first k; further k values report as
     "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor;
-    each blend ratio r adds "pie+blend<100 r>" (CacheBlend on the stale tokens)."""
-    out = [("full", "full", 0, 0, 0.0), ("pie", "pie", 0, 0, 0.0), ("naive", "naive", 0, 0, 0.0),
-           ("pie+k", "pie+k", ks[0], 0, 0.0)]
-    out += [(f"pie+k{k}", "pie+k", k, 0, 0.0) for k in ks[1:]]
-    out += [("pie+tail", "pie", 0, tail, 0.0)] if tail else []
-    out += [(f"pie+blend{round(100 * r)}", "pie+blend", 0, 0, r) for r in blend]
+    each blend ratio r adds "pie+blend<100 r>" (CacheBlend on the stale tokens); then the --also specs."""
+    out = [("full", "full", {}), ("pie", "pie", {}), ("naive", "naive", {}), ("pie+k", "pie+k", {"k": ks[0]})]
+    out += [(f"pie+k{k}", "pie+k", {"k": k}) for k in ks[1:]]
+    out += [("pie+tail", "pie", {"tail": tail})] if tail else []
+    out += [(f"pie+blend{round(100 * r)}", "pie+blend", {"ratio": r}) for r in blend]
     out += [parse_spec(x) for x in also]
     names = [n for n, *_ in out]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -207,9 +213,9 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
         old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
         base = EditSession(model, old_ids)
         preds = {}
-        for name, strat, k, t, ratio in names:
+        for name, strat, kw in names:
             sess = EditSession(model, old_ids, cache=base.cache.copy())
-            r = sess.apply_text(tok, smp["new"], strat, k=k, add_special_tokens=True, tail=t, ratio=ratio)
+            r = sess.apply_text(tok, smp["new"], strat, add_special_tokens=True, **kw)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
@@ -248,7 +254,8 @@ def main() -> None:
     ap.add_argument("--blend", type=float, nargs="*", default=[],
                     help="also report pie+blend<100 r> for each ratio r: CacheBlend on the stale tokens after the edits")
     ap.add_argument("--also", nargs="*", default=[],
-                    help="further strategies pie[+k<K>][+tail<T>], e.g. pie+k16+tail256 (reported under that name)")
+                    help="further strategies pie[+k<K>][+tail<T>] or pie+attn<P>[+probe<Q>], e.g. pie+k16+tail256 "
+                         "pie+attn10 (reported under that name)")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)

@@ -8,8 +8,6 @@ collapses to 3-30% (results/pie_eval_blend.md). What PIE still misses is stale c
 above layer 0 were computed before the edit.
 """
 import sysconfig
-import time
-
 import torch
 
 from kvpos.integrations.hf import load_default_model
@@ -27,11 +25,12 @@ old = "\n".join(lines[:60] + lines[62:target])       # what the cache holds: lin
 print(f"{path}: document of {len(tok(final).input_ids)} tokens; cached version lacks 2 lines")
 
 base = EditSession(model, tok(old).input_ids)        # the cache we start from (prefill not timed)
-for strategy in ("full", "pie", "naive", "pie+k"):
+RUNS = [("full", {}), ("pie", {}), ("naive", {}), ("pie+k", {"k": 8}),
+        ("pie+attn", {"ratio": 0.25})]                # query-aware: the last tokens' attention picks what to refresh
+for strategy, kw in RUNS:
     s = EditSession(model, base.ids, cache=base.cache.copy())
-    r = s.apply_text(tok, final, strategy, k=8)       # re-tokenize, diff on tokens, update the cache
-    t = time.perf_counter()
+    r = s.apply_text(tok, final, strategy, **kw)      # re-tokenize, diff on tokens, update the cache
     out = tok.decode(s.generate(max_new_tokens=24))
     line = out.split("\n")[1] if "\n" in out else ""
-    print(f"{strategy:6s} update {r.update_s * 1e3:7.1f} ms, encoded {r.tokens_encoded:4d} tokens -> {line!r}")
-print(f"real next line:                                    {lines[target]!r}")
+    print(f"{strategy:8s} update {r.update_s * 1e3:7.1f} ms, encoded {r.tokens_encoded:4d} tokens -> {line!r}")
+print(f"real next line:{' ' * 38}{lines[target]!r}")

@@ -4,7 +4,7 @@ import torch
 
 from kvpos.edits import Delete, Insert, Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
 from kvpos.integrations.hf import PositionedCache, extend
-from kvpos.integrations.pie import EditSession
+from kvpos.integrations.pie import EditSession, attention_mass
 from kvpos.integrations.testing import TINY_ARCHS, tiny_model
 
 EDIT_SETS = {
@@ -169,14 +169,15 @@ def test_text_level_diff_handles_tokenization_changes(default_model, old, new):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("kind", list(EDIT_SETS))
-def test_pie_blend_with_ratio_one_equals_full(arch, kind):
+@pytest.mark.parametrize("strategy", ["pie+blend", "pie+attn"])
+def test_selective_repairs_with_ratio_one_equal_full(arch, kind, strategy):
     model = tiny_model(arch, num_hidden_layers=4)[0]
     doc = _doc(3, 24)
-    full, blend = EditSession(model, doc), EditSession(model, doc)
+    full, rep = EditSession(model, doc), EditSession(model, doc)
     full.apply(EDIT_SETS[kind], "full")
-    blend.apply(EDIT_SETS[kind], "pie+blend", ratio=1.0)
-    assert (_probe(full) - _probe(blend)).abs().max() < 1e-4
-    assert blend.cache.positions.tolist() == [list(range(blend.length))]
+    rep.apply(EDIT_SETS[kind], strategy, ratio=1.0, probe=3)
+    assert (_probe(full) - _probe(rep)).abs().max() < 1e-4
+    assert rep.cache.positions.tolist() == [list(range(rep.length))]
 
 
 def test_pie_blend_partial_ratio_lies_between_pie_and_full():
@@ -193,6 +194,52 @@ def test_pie_blend_partial_ratio_lies_between_pie_and_full():
     for i in (0, 1):
         f, b = s["full"].cache.layers[i], s["pie+blend"].cache.layers[i]
         assert (f.keys - b.keys).abs().max() < 1e-4 and (f.values - b.values).abs().max() < 1e-4
+
+
+def test_pie_attn_ratio_zero_is_pie_with_the_probe_as_tail_and_more_ratio_gets_closer():
+    model = tiny_model("llama", num_hidden_layers=4)[0]
+    doc = _doc(6, 40)
+    s = {m: EditSession(model, doc) for m in ("full", "tail", "a0", "a5", "pie")}
+    s["full"].apply(EDIT_SETS["multi"], "full")
+    s["pie"].apply(EDIT_SETS["multi"], "pie")
+    s["tail"].apply(EDIT_SETS["multi"], "pie", tail=4)
+    r0 = s["a0"].apply(EDIT_SETS["multi"], "pie+attn", ratio=0.0, probe=4)
+    r5 = s["a5"].apply(EDIT_SETS["multi"], "pie+attn", ratio=0.5, probe=4)
+    assert (_probe(s["tail"]) - _probe(s["a0"])).abs().max() < 1e-4
+    # new doc: 42 tokens; stale = slots 4..41 (38); the last 4 are the probe; half of the other 34 are picked
+    assert r0.tokens_encoded == 5 + 4 and r5.tokens_encoded == 5 + 4 + 17
+    err = {m: (_probe(s["full"]) - _probe(s[m])).abs().max().item() for m in ("pie", "a5")}
+    assert err["a5"] < err["pie"], err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_attention_mass_matches_a_plain_eager_forward(arch):
+    model = tiny_model(arch, num_hidden_layers=3)[0]
+    doc = _doc(7, 30)
+    sess = EditSession(model, doc)
+    mass = attention_mass(model, sess.cache, 5, doc)
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        att = model(input_ids=doc[None].long(), output_attentions=True, use_cache=False).attentions
+    finally:
+        model.set_attn_implementation(prev)
+    ref = torch.stack([a[0, :, 25:, :25].double().mean(dim=(0, 1)) for a in att]).mean(0)
+    assert mass.shape == (25,)
+    assert (mass.double() - ref).abs().max() < 1e-5
+    assert sess.cache.num_slots == 30                         # the probe forward left the cache alone
+
+
+def test_pie_attn_rejects_bad_probe_and_sliding_models():
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    sess = EditSession(model, _doc())
+    before = sess.ids.clone()
+    with pytest.raises(ValueError, match="apply probe"):
+        sess.apply([Insert(3, [5])], "pie+attn", probe=0)
+    assert torch.equal(sess.ids, before)
+    gemma = tiny_model("gemma3", num_hidden_layers=2)[0]
+    with pytest.raises(ValueError, match="pie\\+attn model"):
+        EditSession(gemma, _doc()).apply([Insert(3, [5])], "pie+attn")
 
 
 def test_pie_blend_rejects_bad_ratio_and_sliding_models():
