@@ -33,4 +33,4 @@ for strategy, kw in RUNS:
     out = tok.decode(s.generate(max_new_tokens=24))
     line = out.split("\n")[1] if "\n" in out else ""
     print(f"{strategy:8s} update {r.update_s * 1e3:7.1f} ms, encoded {r.tokens_encoded:4d} tokens -> {line!r}")
-print(f"real next line:{' ' * 38}{lines[target]!r}")
+print(f"real next line:{' ' * 36}{lines[target]!r}")
