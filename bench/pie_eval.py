@@ -269,6 +269,10 @@ def main() -> None:
     strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also))      # bad specs fail before the model loads
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
+    sliding = sorted({t for t in getattr(model.config, "layer_types", None) or [] if t != "full_attention"})
+    if sliding and any(x.startswith("pie+attn") for x in a.also):
+        raise SystemExit(f"--also pie+attn: needs full-attention layers only, this model has {sliding}; "
+                         "use pie+k<K>+tail<T> instead")
     files = corpus_files(a.corpus)
     rng = random.Random(a.seed)
     cache: dict = {}
