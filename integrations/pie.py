@@ -217,6 +217,8 @@ def attention_mass(model: torch.nn.Module, cache: PositionedCache, n_probe: int,
     probe rows. ids [N] are the document's token ids (slot j = token j at position j). The cache is not changed.
     Returns [N - n_probe] float32."""
     N = cache.num_slots
+    if check_int("attention_mass n_probe", n_probe) < 1 or N < 2:
+        fail("attention_mass", "n_probe >= 1 and a cache of at least 2 slots", f"n_probe={n_probe}, {N} slots")
     q = min(n_probe, N - 1)
     c = cache.copy()
     c.keep_(torch.arange(N - q))

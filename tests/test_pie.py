@@ -228,6 +228,8 @@ def test_attention_mass_matches_a_plain_eager_forward(arch):
     assert mass.shape == (25,)
     assert (mass.double() - ref).abs().max() < 1e-5
     assert sess.cache.num_slots == 30                         # the probe forward left the cache alone
+    with pytest.raises(ValueError, match="attention_mass"):
+        attention_mass(model, sess.cache, 0, doc)
 
 
 def test_pie_attn_rejects_bad_probe_and_sliding_models():
