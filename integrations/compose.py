@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from kvpos._checks import as_token_ids, check_fraction, fail
 from kvpos.store import ChunkKV, ChunkStore, Fingerprint, MemoryBackend, model_fingerprint
-from kvpos.integrations.hf import PositionedCache, extend
+from kvpos.integrations.hf import PositionedCache, _additive, extend
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkCache", "compose", "ComposeInfo",
            "layout_allowed", "recompute_slots", "blend_recompute"]
@@ -246,7 +246,7 @@ def recompute_slots(model: torch.nn.Module, cache: PositionedCache, slots: torch
     if slots.numel() == 0:
         return 0
     dtype = next(model.parameters()).dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = _additive(allowed, dtype)[None, None]
     pos = cache.positions[:, slots]
     with _scatter_updates(cache, slots):
         model(input_ids=ids[None], position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
@@ -309,7 +309,7 @@ def blend_recompute(model: torch.nn.Module, cache: PositionedCache, slots: torch
         return 0
     pos = cache.positions[:, slots]
     dtype = next(model.parameters()).dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = _additive(allowed, dtype)[None, None]
     hidden = base.embed_tokens(ids[None])
     n_first = min(n_first, len(layers))
     v_old = cache.layers[n_first - 1].v[:, :, slots].clone()

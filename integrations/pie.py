@@ -37,7 +37,7 @@ import torch
 from kvpos._checks import as_token_ids, check_fraction, check_int, fail
 from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
 from kvpos.integrations.compose import blend_recompute, recompute_slots
-from kvpos.integrations.hf import PositionedCache, extend, generate
+from kvpos.integrations.hf import PositionedCache, _additive, extend, generate
 
 __all__ = ["EditSession", "EditResult", "STRATEGIES", "attention_mass"]
 
@@ -224,7 +224,7 @@ def attention_mass(model: torch.nn.Module, cache: PositionedCache, n_probe: int,
     c.keep_(torch.arange(N - q))
     dtype = next(model.parameters()).dtype
     allowed = torch.arange(N)[None] <= torch.arange(N - q, N)[:, None]                 # [q, N] causal
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = _additive(allowed, dtype)[None, None]
     prev = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
