@@ -3,6 +3,7 @@
     python bench/pie_eval.py --json results/pie_eval.json [--samples 200] [--context-tokens 2048] [--k 8]
                              [--corpus DIR] [--model smollm2|gemma3|PATH] [--tasks insertion deletion multi]
                              [--tail 128] [--blend 0.1 0.2] [--also pie+k16+tail256 pie+tail512]
+                             [--skip naive pie+k]
 
 Samples (the FINAL document is always the real file):
   a target line L of a real source file with ~context-tokens tokens of the file before it; the document is the
@@ -19,8 +20,12 @@ any further specs "pie[+k<K>][+tail<T>]" (e.g. pie+k16+tail256: k tokens after e
 the cursor re-encoded) or "pie+attn<P>[+probe<Q>]" (query-aware: the last Q tokens' attention picks P% of the stale
 tokens to re-encode, EditSession's pie+attn).
 Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
+--skip drops base strategies (full always runs: it is the reference).
 Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
 prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
+The JSON also holds "records" (one per sample: task, file, line, token edits, to_cursor = untouched tokens between
+the last edit and the cursor, each strategy's predicted line) and "by_distance" (agreement with full per strategy,
+binned by to_cursor; also a second markdown table and <json>_distance.png).
 Default corpus: the fixed list STDLIB_FILES of Python standard-library modules found on this machine.
 """
 from __future__ import annotations
@@ -39,6 +44,7 @@ from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from _common import machine, markdown_table, plot, write_outputs
+from kvpos.edits import diff_tokens
 from kvpos.integrations.hf import load_model
 from kvpos.integrations.pie import EditSession
 
@@ -53,6 +59,7 @@ STDLIB_FILES = [
     "urllib/request.py", "urllib/parse.py", "xml/dom/minidom.py", "importlib/_bootstrap_external.py",
 ]
 STRATEGIES = ["full", "pie", "naive", "pie+k"]
+DIST_BINS = (0, 64, 256, 1024)      # tokens between the end of the last edit and the cursor: [0,64) [64,256) ...
 
 
 def corpus_files(corpus: str | None) -> list[str]:
@@ -184,13 +191,18 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
                      f"(attn percent 1..100), got {spec!r}")
 
 
-def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = ()
-                   ) -> list[tuple[str, str, dict]]:
+def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (),
+                   skip: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """(report name, EditSession strategy, keyword arguments): "pie+k" is the first k; further k values report as
     "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor;
-    each blend ratio r adds "pie+blend<100 r>" (CacheBlend on the stale tokens); then the --also specs."""
+    each blend ratio r adds "pie+blend<100 r>" (CacheBlend on the stale tokens); then the --also specs. `skip` drops
+    some of pie / naive / pie+k (pie+k: every --k value; full is the reference and always runs)."""
+    bad = sorted(set(skip) - {"pie", "naive", "pie+k"})
+    if bad:
+        raise SystemExit(f"--skip: expected some of pie, naive, pie+k (full always runs), got {bad}")
     out = [("full", "full", {}), ("pie", "pie", {}), ("naive", "naive", {}), ("pie+k", "pie+k", {"k": ks[0]})]
-    out += [(f"pie+k{k}", "pie+k", {"k": k}) for k in ks[1:]]
+    out = [x for x in out if x[0] not in skip]
+    out += [(f"pie+k{k}", "pie+k", {"k": k}) for k in ks[1:] if "pie+k" not in skip]
     out += [("pie+tail", "pie", {"tail": tail})] if tail else []
     out += [(f"pie+blend{round(100 * r)}", "pie+blend", {"ratio": r}) for r in blend]
     out += [parse_spec(x) for x in also]
@@ -203,14 +215,19 @@ def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), 
 
 @torch.no_grad()
 def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25,
-        tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = ()) -> dict:
-    names = strategy_names(ks, tail, blend, also)
+        tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (), skip: tuple[str, ...] = (),
+        records: list | None = None) -> dict:
+    """Score every strategy on every sample; returns summarize()'s table. When `records` is a list, one dict per
+    sample is appended to it: task, file, line, number of token edits, `to_cursor` (untouched tokens between the end
+    of the last edit and the cursor), the target and each strategy's predicted line."""
+    names = strategy_names(ks, tail, blend, also, skip)
     res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, *_ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
             checkpoint(summarize(res), partial=True)
         old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
+        edits = diff_tokens(old_ids, tok(smp["new"]).input_ids)
         base = EditSession(model, old_ids)
         preds = {}
         for name, strat, kw in names:
@@ -226,7 +243,37 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
             d["agree"].append(pred == preds["full"])
             d["t"].append(r.update_s)
             d["enc"].append(r.tokens_encoded)
+        if records is not None:
+            records.append({"task": smp["task"], "path": smp["path"], "line": smp["line"], "edits": len(edits),
+                            "to_cursor": len(old_ids) - edits[-1].end if edits else len(old_ids),
+                            "target": smp["target"], "pred": preds})
     return summarize(res)
+
+
+def by_distance(records: list[dict], bins: tuple[int, ...] = DIST_BINS) -> list[dict]:
+    """Agreement with full per strategy, grouped by `to_cursor` (tokens between the last edit and the cursor), all
+    tasks together: rows {"to_cursor": "[lo,hi)", "n": count, "<strategy>": % same line as full}."""
+    rows = []
+    for lo, hi in zip(bins, bins[1:] + (None,)):
+        sel = [r for r in records if r["to_cursor"] >= lo and (hi is None or r["to_cursor"] < hi)]
+        if not sel:
+            continue
+        row = {"to_cursor": f"[{lo},{hi if hi is not None else 'inf'})", "lo": lo, "n": len(sel)}
+        for s in sel[0]["pred"]:
+            row[s] = 100.0 * statistics.fmean(r["pred"][s] == r["pred"]["full"] for r in sel)
+        rows.append(row)
+    return rows
+
+
+def plot_distance(rows: list[dict], path: str | None) -> None:
+    """Agreement with full vs distance from the last edit to the cursor, one line per strategy."""
+    if not rows:
+        return
+    strategies = [s for s in rows[0] if s not in ("to_cursor", "lo", "n", "full")]
+    xs = [2 * r["lo"] if r["lo"] else 32 for r in rows]      # bins [0,64) [64,256) ... plotted near their middle
+    plot(path, {s: (xs, [r[s] for r in rows]) for s in strategies},
+         "tokens between the last edit and the cursor (bin middle)", "agreement with full (%)",
+         "Agreement with full by distance from the last edit to the cursor", logx=True)
 
 
 def plot_cost_quality(tasks: dict, path: str | None) -> None:
@@ -256,6 +303,8 @@ def main() -> None:
     ap.add_argument("--also", nargs="*", default=[],
                     help="further strategies pie[+k<K>][+tail<T>] or pie+attn<P>[+probe<Q>], e.g. pie+k16+tail256 "
                          "pie+attn10 (reported under that name)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["pie", "naive", "pie+k"],
+                    help="drop some of the base strategies (full always runs), e.g. for a run of --also specs only")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -266,7 +315,7 @@ def main() -> None:
     for r in a.blend:
         if not 0.0 < r <= 1.0:
             raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
-    strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also))      # bad specs fail before the model loads
+    strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip))   # bad specs fail before model load
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     sliding = sorted({t for t in getattr(model.config, "layer_types", None) or [] if t != "full_attention"})
@@ -284,25 +333,34 @@ def main() -> None:
                 per_task[task].append(s)
     # interleave the tasks so that checkpoints written during the run cover every task
     samples = [per_task[t][i] for i in range(a.samples) for t in a.tasks]
+    records: list[dict] = []
+
     def report(res: dict, partial: bool = False) -> None:
         rows = [{"task": t, "strategy": s, **m} for t, per in res.items() for s, m in per.items()]
         table = markdown_table(rows, ["task", "strategy", "n", "em", "es", "agree_full", "update_s",
                                       "update_ratio_vs_full", "tokens_encoded"],
                                {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
                                 "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
+        dist = by_distance(records)
+        if dist:
+            cols = ["to_cursor", "n"] + [s for s in dist[0] if s not in ("to_cursor", "lo", "n", "full")]
+            table += ("\n\nAgreement with full (%) by tokens between the last edit and the cursor, all tasks:\n\n"
+                      + markdown_table(dist, cols, {c: ".1f" for c in cols[2:]}))
         payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
                    "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
                    "also": a.also,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "tokens_encoded", "n")}
-                                 for s, m in per.items()} for t, per in res.items()}}
+                                 for s, m in per.items()} for t, per in res.items()},
+                   "by_distance": dist, "records": records}
         write_outputs(a.json, payload, table)
         if not partial and a.json:
             plot_cost_quality(payload["tasks"], a.json.rsplit(".", 1)[0] + ".png")
+            plot_distance(dist, a.json.rsplit(".", 1)[0] + "_distance.png")
 
     report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
-               also=tuple(a.also)))
+               also=tuple(a.also), skip=tuple(a.skip), records=records))
 
 
 if __name__ == "__main__":

@@ -56,3 +56,42 @@ def test_pie_eval_specs_name_the_session_call():
             pie_eval.parse_spec(bad)
     with pytest.raises(SystemExit, match="twice"):
         pie_eval.strategy_names([16, 64], also=("pie+k64",))
+
+
+class _CharTok:
+    """Character-level tokenizer over the tiny models' 128-token vocabulary (ids = code points; "\\n" is 10)."""
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Enc", (), {"input_ids": [min(ord(c), 127) for c in text]})()
+
+    def decode(self, ids):
+        return "".join(chr(int(i)) for i in ids)
+
+
+def test_pie_eval_records_where_the_last_edit_sits_and_skips_on_request():
+    model = tiny_model("llama")[0]
+    tok = _CharTok()
+    doc = [f"v{i} = {i}" for i in range(12)]
+    doc[1], doc[10] = "ZZZZZZZ", "QQQQQQQ"     # characters found nowhere else: the diff is the line (+- its newline)
+    near, far = list(doc), list(doc)
+    del near[10]                       # the cache lacks a line just before the cursor
+    del far[1]                         # ... or one near the start
+    samples = [{"path": "f.py", "line": 12, "old": "\n".join(o), "new": "\n".join(doc), "target": "y = 1",
+                "task": "insertion"} for o in (near, far)]
+    records: list = []
+    res = pie_eval.run(model, tok, samples, [4], max_new=6, skip=("naive", "pie+k"), records=records)
+    assert list(res["insertion"]) == ["full", "pie"]
+    after_near, after_far = len("\n".join(doc[11:])), len("\n".join(doc[2:]))   # characters after the lines
+    assert records[0]["to_cursor"] in (after_near, after_near + 1)
+    assert records[1]["to_cursor"] in (after_far, after_far + 1)
+    assert records[0]["edits"] == records[1]["edits"] == 1
+    assert set(records[0]["pred"]) == {"full", "pie"}
+    rows = pie_eval.by_distance(records, bins=(0, 64))
+    assert [(r["to_cursor"], r["n"]) for r in rows] == [("[0,64)", 1), ("[64,inf)", 1)]
+    for r, rec in zip(rows, records):
+        assert r["pie"] == 100.0 * (rec["pred"]["pie"] == rec["pred"]["full"])
+    names = [n for n, *_ in pie_eval.strategy_names([16, 64], skip=("pie+k",), also=("pie+attn50",))]
+    assert names == ["full", "pie", "naive", "pie+attn50"]
+    with pytest.raises(SystemExit, match="--skip"):
+        pie_eval.strategy_names([4], skip=("full",))
