@@ -25,13 +25,15 @@ Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the r
 prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
 The JSON also holds "records" (one per sample: task, file, line, token edits, to_cursor = untouched tokens between
 the last edit and the cursor, each strategy's predicted line) and "by_distance" (agreement with full per strategy,
-binned by to_cursor; also a second markdown table and <json>_distance.png).
+binned by to_cursor per task and for all; also a second markdown table and <json>_distance.png).
+--report JSON re-renders a finished run's tables and plots from its saved records, without the model.
 Default corpus: the fixed list STDLIB_FILES of Python standard-library modules found on this machine.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import random
 import re
@@ -251,29 +253,73 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
 
 
 def by_distance(records: list[dict], bins: tuple[int, ...] = DIST_BINS) -> list[dict]:
-    """Agreement with full per strategy, grouped by `to_cursor` (tokens between the last edit and the cursor), all
-    tasks together: rows {"to_cursor": "[lo,hi)", "n": count, "<strategy>": % same line as full}."""
+    """Agreement with full per strategy, grouped by `to_cursor` (tokens between the last edit and the cursor), for
+    each task and for all tasks together: rows {"task": task | "all", "to_cursor": "[lo,hi)", "lo": lo, "n": count,
+    "<strategy>": % same line as full}."""
     rows = []
-    for lo, hi in zip(bins, bins[1:] + (None,)):
-        sel = [r for r in records if r["to_cursor"] >= lo and (hi is None or r["to_cursor"] < hi)]
-        if not sel:
-            continue
-        row = {"to_cursor": f"[{lo},{hi if hi is not None else 'inf'})", "lo": lo, "n": len(sel)}
-        for s in sel[0]["pred"]:
-            row[s] = 100.0 * statistics.fmean(r["pred"][s] == r["pred"]["full"] for r in sel)
-        rows.append(row)
+    tasks = sorted({r["task"] for r in records}, key=("insertion", "deletion", "multi").index)
+    for task in tasks + ["all"]:
+        mine = [r for r in records if task in ("all", r["task"])]
+        for lo, hi in zip(bins, bins[1:] + (None,)):
+            sel = [r for r in mine if r["to_cursor"] >= lo and (hi is None or r["to_cursor"] < hi)]
+            if not sel:
+                continue
+            row = {"task": task, "to_cursor": f"[{lo},{hi if hi is not None else 'inf'})", "lo": lo, "n": len(sel)}
+            for s in sel[0]["pred"]:
+                row[s] = 100.0 * statistics.fmean(r["pred"][s] == r["pred"]["full"] for r in sel)
+            rows.append(row)
     return rows
 
 
+def _strategies(rows: list[dict]) -> list[str]:
+    return [s for s in rows[0] if s not in ("task", "to_cursor", "lo", "n", "full")]
+
+
 def plot_distance(rows: list[dict], path: str | None) -> None:
-    """Agreement with full vs distance from the last edit to the cursor, one line per strategy."""
+    """Agreement with full vs distance from the last edit to the cursor (all tasks), one line per strategy."""
+    rows = [r for r in rows if r["task"] == "all"]
     if not rows:
         return
-    strategies = [s for s in rows[0] if s not in ("to_cursor", "lo", "n", "full")]
     xs = [2 * r["lo"] if r["lo"] else 32 for r in rows]      # bins [0,64) [64,256) ... plotted near their middle
-    plot(path, {s: (xs, [r[s] for r in rows]) for s in strategies},
+    plot(path, {s: (xs, [r[s] for r in rows]) for s in _strategies(rows)},
          "tokens between the last edit and the cursor (bin middle)", "agreement with full (%)",
          "Agreement with full by distance from the last edit to the cursor", logx=True)
+
+
+def render(payload: dict) -> str:
+    """The markdown report of a payload: the per-task strategy table, then agreement by distance to the cursor."""
+    rows = [{"task": t, "strategy": s, **m} for t, per in payload["tasks"].items() for s, m in per.items()]
+    table = markdown_table(rows, ["task", "strategy", "n", "em", "es", "agree_full", "update_s",
+                                  "update_ratio_vs_full", "tokens_encoded"],
+                           {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
+                            "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
+    dist = payload.get("by_distance") or []
+    if dist:
+        cols = ["task", "to_cursor", "n"] + _strategies(dist)
+        table += ("\n\nAgreement with full (%) by tokens between the last edit and the cursor:\n\n"
+                  + markdown_table(dist, cols, {c: ".1f" for c in cols[3:]}))
+    return table
+
+
+def write_report(path: str | None, payload: dict) -> None:
+    """Print the report; write JSON + markdown (and, for a finished run, the two plots) beside `path`."""
+    write_outputs(path, payload, render(payload))
+    if not payload.get("partial") and path:
+        plot_cost_quality(payload["tasks"], path.rsplit(".", 1)[0] + ".png")
+        plot_distance(payload.get("by_distance") or [], path.rsplit(".", 1)[0] + "_distance.png")
+
+
+def rerender(path: str) -> None:
+    """--report: recompute the distance table from a finished run's saved records and rewrite its outputs."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--report: expected a pie_eval JSON file, got {path!r} (no such file)")
+    with open(path) as f:
+        payload = json.load(f)
+    if not isinstance(payload, dict) or "tasks" not in payload or "records" not in payload:
+        raise SystemExit(f"--report: expected a pie_eval JSON with 'tasks' and 'records' (written with --json by "
+                         f"this version), got keys {sorted(payload) if isinstance(payload, dict) else type(payload)}")
+    payload["by_distance"] = by_distance(payload["records"])
+    write_report(path, payload)
 
 
 def plot_cost_quality(tasks: dict, path: str | None) -> None:
@@ -309,7 +355,11 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="no run: re-render the tables and plots of a finished run from its saved records")
     a = ap.parse_args()
+    if a.report:
+        return rerender(a.report)
     if not 256 <= a.context_tokens <= 8000:
         raise SystemExit(f"--context-tokens: expected 256..8000, got {a.context_tokens}")
     for r in a.blend:
@@ -336,28 +386,15 @@ def main() -> None:
     records: list[dict] = []
 
     def report(res: dict, partial: bool = False) -> None:
-        rows = [{"task": t, "strategy": s, **m} for t, per in res.items() for s, m in per.items()]
-        table = markdown_table(rows, ["task", "strategy", "n", "em", "es", "agree_full", "update_s",
-                                      "update_ratio_vs_full", "tokens_encoded"],
-                               {"em": ".1f", "es": ".1f", "agree_full": ".1f", "update_s": ".3f",
-                                "update_ratio_vs_full": ".3f", "tokens_encoded": ".0f"})
-        dist = by_distance(records)
-        if dist:
-            cols = ["to_cursor", "n"] + [s for s in dist[0] if s not in ("to_cursor", "lo", "n", "full")]
-            table += ("\n\nAgreement with full (%) by tokens between the last edit and the cursor, all tasks:\n\n"
-                      + markdown_table(dist, cols, {c: ".1f" for c in cols[2:]}))
         payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
                    "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
-                   "also": a.also,
+                   "also": a.also, "skip": a.skip,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "tokens_encoded", "n")}
                                  for s, m in per.items()} for t, per in res.items()},
-                   "by_distance": dist, "records": records}
-        write_outputs(a.json, payload, table)
-        if not partial and a.json:
-            plot_cost_quality(payload["tasks"], a.json.rsplit(".", 1)[0] + ".png")
-            plot_distance(dist, a.json.rsplit(".", 1)[0] + "_distance.png")
+                   "by_distance": by_distance(records), "records": records}
+        write_report(a.json, payload)
 
     report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
                also=tuple(a.also), skip=tuple(a.skip), records=records))

@@ -88,10 +88,32 @@ def test_pie_eval_records_where_the_last_edit_sits_and_skips_on_request():
     assert records[0]["edits"] == records[1]["edits"] == 1
     assert set(records[0]["pred"]) == {"full", "pie"}
     rows = pie_eval.by_distance(records, bins=(0, 64))
-    assert [(r["to_cursor"], r["n"]) for r in rows] == [("[0,64)", 1), ("[64,inf)", 1)]
-    for r, rec in zip(rows, records):
+    assert [(r["task"], r["to_cursor"], r["n"]) for r in rows] == [
+        ("insertion", "[0,64)", 1), ("insertion", "[64,inf)", 1), ("all", "[0,64)", 1), ("all", "[64,inf)", 1)]
+    for r, rec in zip(rows, records + records):
         assert r["pie"] == 100.0 * (rec["pred"]["pie"] == rec["pred"]["full"])
     names = [n for n, *_ in pie_eval.strategy_names([16, 64], skip=("pie+k",), also=("pie+attn50",))]
     assert names == ["full", "pie", "naive", "pie+attn50"]
     with pytest.raises(SystemExit, match="--skip"):
         pie_eval.strategy_names([4], skip=("full",))
+
+
+def test_pie_eval_report_rerenders_a_saved_run(tmp_path):
+    recs = [{"task": t, "to_cursor": d, "pred": {"full": "a", "pie": p}} for t, d, p in
+            [("insertion", 10, "a"), ("insertion", 300, "b"), ("multi", 20, "b"), ("multi", 2000, "a")]]
+    m = {"em": 0.0, "es": 50.0, "agree_full": 50.0, "update_s": 0.1, "update_ratio_vs_full": 0.1,
+         "tokens_encoded": 3, "n": 2}
+    path = tmp_path / "run.json"
+    path.write_text(pie_eval.json.dumps({"tasks": {"insertion": {"full": m, "pie": m}}, "records": recs,
+                                         "partial": True}))
+    pie_eval.rerender(str(path))
+    saved = pie_eval.json.loads(path.read_text())
+    allrows = {r["to_cursor"]: r["pie"] for r in saved["by_distance"] if r["task"] == "all"}
+    assert allrows == {"[0,64)": 50.0, "[256,1024)": 0.0, "[1024,inf)": 100.0}
+    md = (tmp_path / "run.md").read_text()
+    assert "| multi | [0,64) | 1 | 0.0 |" in md and "| insertion | pie |" in md
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    for p in (bad, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match="--report"):
+            pie_eval.rerender(str(p))
