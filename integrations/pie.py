@@ -79,7 +79,7 @@ class EditSession:
               tail: int = 0, ratio: float = 0.1, probe: int = 16) -> EditResult:
         """Apply edits (token indices of the current document) with `strategy`; the session moves to the new doc.
 
-        tail (pie / pie+k / naive): also re-encode the last `tail` tokens of the document in the new context.
+        tail (every strategy but full): also re-encode the last `tail` tokens of the document in the new context.
         ratio (pie+blend / pie+attn): the fraction of the stale tokens carried through every layer.
         probe (pie+attn): how many of the document's last tokens choose the stale slots by their attention."""
         if strategy not in STRATEGIES:
