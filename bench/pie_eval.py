@@ -17,8 +17,8 @@ Strategies: full, pie, naive (conflict fast: stale positions kept, generation at
 re-encode k tokens after each edit); optional pie+tail (--tail) and pie+blend<r> (--blend: CacheBlend over the stale
 tokens, layers 0-1 refreshed for all, the r whose layer-1 values moved most carried through all layers); --also takes
 any further specs "pie[+k<K>][+tail<T>]" (e.g. pie+k16+tail256: k tokens after each edit AND the last T tokens before
-the cursor re-encoded) or "pie+attn<P>[+probe<Q>]" (query-aware: the last Q tokens' attention picks P% of the stale
-tokens to re-encode, EditSession's pie+attn).
+the cursor re-encoded) or "pie+attn<P>[+probe<Q>][+tail<T>]" (query-aware: the last Q tokens' attention picks P% of
+the stale tokens to re-encode, EditSession's pie+attn; +tail<T> re-encodes the last T tokens first).
 Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
 --skip drops base strategies (full always runs: it is the reference).
 Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
@@ -176,21 +176,23 @@ def summarize(res: dict) -> dict:
 
 
 _SPEC = re.compile(r"pie(?:\+k(\d+))?(?:\+tail(\d+))?")
-_ATTN = re.compile(r"pie\+attn(\d+)(?:\+probe(\d+))?")
+_ATTN = re.compile(r"pie\+attn(\d+)(?:\+probe(\d+))?(?:\+tail(\d+))?")
 
 
 def parse_spec(spec: str) -> tuple[str, str, dict]:
     """"pie+k16+tail256" -> (name, EditSession strategy, its keyword arguments); "pie+attn10+probe32" -> pie+attn with
-    ratio 0.10 and probe 32 (default 16). Raises SystemExit naming the bad spec."""
+    ratio 0.10 and probe 32 (default 16); a "+tail<T>" suffix also re-encodes the last T tokens before attention picks
+    the rest. Raises SystemExit naming the bad spec."""
     m = _SPEC.fullmatch(spec)
     if m is not None:
         k, t = int(m.group(1) or 0), int(m.group(2) or 0)
         return spec, ("pie+k" if m.group(1) else "pie"), {"k": k, "tail": t}
     m = _ATTN.fullmatch(spec)
     if m is not None and 0 < int(m.group(1)) <= 100:
-        return spec, "pie+attn", {"ratio": int(m.group(1)) / 100, "probe": int(m.group(2) or 16)}
+        return spec, "pie+attn", {"ratio": int(m.group(1)) / 100, "probe": int(m.group(2) or 16),
+                                  "tail": int(m.group(3) or 0)}
     raise SystemExit(f"--also: expected specs like pie+k16, pie+tail256, pie+k16+tail256 or pie+attn10[+probe32] "
-                     f"(attn percent 1..100), got {spec!r}")
+                     f"(attn percent 1..100, optional +probe<Q>+tail<T>), got {spec!r}")
 
 
 def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (),

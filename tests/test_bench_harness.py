@@ -47,11 +47,15 @@ def test_pie_eval_specs_name_the_session_call():
     assert pie_eval.parse_spec("pie+k16+tail256") == ("pie+k16+tail256", "pie+k", {"k": 16, "tail": 256})
     assert pie_eval.parse_spec("pie+tail512") == ("pie+tail512", "pie", {"k": 0, "tail": 512})
     assert pie_eval.parse_spec("pie+k8") == ("pie+k8", "pie+k", {"k": 8, "tail": 0})
-    assert pie_eval.parse_spec("pie+attn10") == ("pie+attn10", "pie+attn", {"ratio": 0.1, "probe": 16})
-    assert pie_eval.parse_spec("pie+attn5+probe32") == ("pie+attn5+probe32", "pie+attn", {"ratio": 0.05, "probe": 32})
+    assert pie_eval.parse_spec("pie+attn10") == ("pie+attn10", "pie+attn", {"ratio": 0.1, "probe": 16, "tail": 0})
+    assert pie_eval.parse_spec("pie+attn5+probe32") == ("pie+attn5+probe32", "pie+attn",
+                                                        {"ratio": 0.05, "probe": 32, "tail": 0})
+    assert pie_eval.parse_spec("pie+attn25+tail256") == ("pie+attn25+tail256", "pie+attn",
+                                                         {"ratio": 0.25, "probe": 16, "tail": 256})
     names = [n for n, *_ in pie_eval.strategy_names([16], also=("pie+k16+tail256",))]
     assert names == ["full", "pie", "naive", "pie+k", "pie+k16+tail256"]
-    for bad in ("pie+tail", "k16", "pie+tail256+k16", "naive", "pie+attn0", "pie+attn101", "pie+attn"):
+    for bad in ("pie+tail", "k16", "pie+tail256+k16", "naive", "pie+attn0", "pie+attn101", "pie+attn",
+                "pie+attn10+tail64+probe8"):
         with pytest.raises(SystemExit, match="--also"):
             pie_eval.parse_spec(bad)
     with pytest.raises(SystemExit, match="twice"):

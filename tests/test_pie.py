@@ -180,6 +180,19 @@ def test_selective_repairs_with_ratio_one_equal_full(arch, kind, strategy):
     assert rep.cache.positions.tolist() == [list(range(rep.length))]
 
 
+@pytest.mark.parametrize("strategy", ["pie+blend", "pie+attn"])
+def test_selective_repairs_compose_with_a_tail(strategy):
+    model = tiny_model("qwen3", num_hidden_layers=4)[0]
+    doc = _doc(3, 24)
+    full, rep, part = EditSession(model, doc), EditSession(model, doc), EditSession(model, doc)
+    full.apply(EDIT_SETS["multi"], "full")
+    rep.apply(EDIT_SETS["multi"], strategy, ratio=1.0, probe=3, tail=5)
+    r = part.apply(EDIT_SETS["multi"], strategy, ratio=0.25, probe=3, tail=5)
+    assert (_probe(full) - _probe(rep)).abs().max() < 1e-4
+    assert (_probe(full) - _probe(part)).abs().max() > 1e-4     # a partial repair is not exact: the test can tell
+    assert r.tokens_encoded > EditSession(model, doc).apply(EDIT_SETS["multi"], "pie", tail=5).tokens_encoded
+
+
 def test_pie_blend_partial_ratio_lies_between_pie_and_full():
     model = tiny_model("llama", num_hidden_layers=4)[0]
     doc = _doc(4, 40)
