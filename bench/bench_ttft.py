@@ -29,8 +29,9 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from _common import machine, markdown_table, plot, write_outputs
-from _data import passages
-from kvpos.integrations.compose import ChunkCache
+from kvpos.data import passages
+from kvpos.integrations.ape import ApeBackend
+from kvpos.integrations.compose import ChunkComposer
 from kvpos.integrations.hf import extend, load_model
 from kvpos.integrations.rag import ChatPromptBuilder
 
@@ -86,12 +87,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     builder = ChatPromptBuilder(tok)
-    cc = ChunkCache(model, builder.anchor_ids)
+    cc = ChunkComposer(model, builder.anchor_ids)
     _full(model, builder.anchor_ids[None])  # warm-up
     methods = ["full", "prefix_cache", "kvpos_seq", f"kvpos_seq_link{a.link_k}", "kvpos_parallel",
                f"kvpos_selective{int(a.ratio * 100)}"]
     if a.ape:
-        from kvpos.integrations import ape  # noqa: F401  (registers the attention backend)
         methods.append("ape")
     rows = []
     for cfg in a.configs:
@@ -113,10 +113,7 @@ def main() -> None:
 
         def kv(layout, link_k=0, ratio=0.0, ape=False):
             cache, _ = cc.compose([chunks[i] for i in order], layout=layout, link_k=link_k, recompute_ratio=ratio)
-            if ape:
-                from kvpos.integrations.ape import ape_extend
-                return ape_extend(model, cache, q[None])[:, -1]
-            return extend(model, cache, q[None])[:, -1]
+            return extend(model, cache, q[None], attention=ApeBackend() if ape else None)[:, -1]
 
         fns = {"full": lambda: _full(model, ids), "prefix_cache": lambda: _prefix(model, prev, prev_ids, ids)[0],
                "kvpos_seq": lambda: kv("sequential"),

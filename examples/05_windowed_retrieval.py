@@ -5,15 +5,11 @@ with full attention and with windowed RoPE (far keys scored at a fixed distance 
 one key store serves every query position). Look at: both answers contain the code; the windowed decode reads
 ~5% of the far keys per step.
 """
-import sys
-
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/bench")
-from window_eval import needle_prompt  # noqa: E402
-
-from kvpos.integrations.hf import PositionedCache, extend, generate, load_default_model  # noqa: E402
-from kvpos.integrations.window import WindowConfig, window_generate  # noqa: E402
+from kvpos.data import needle_prompt
+from kvpos.integrations.hf import PositionedCache, extend, generate, load_default_model
+from kvpos.integrations.window import WindowBackend, WindowConfig
 
 torch.set_num_threads(2)
 model, tok = load_default_model()
@@ -25,9 +21,8 @@ kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
 full = generate(model, cache.copy(), q, **kw)
 print("full attention :", repr(tok.decode(full[0, q.shape[1]:], skip_special_tokens=True)))
 for sel in ("exact", "index"):
-    c = cache.copy()
-    c.window_stats = {}
-    out = window_generate(model, c, q, WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector=sel), **kw)
-    st = c.window_stats
+    backend = WindowBackend(WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector=sel))
+    out = generate(model, cache.copy(), q, attention=backend, **kw)
+    st = backend.stats
     print(f"windowed {sel:5s} : {tok.decode(out[0, q.shape[1]:], skip_special_tokens=True)!r}  "
           f"(attended {st['selected']} of {st['far_slots']} far tokens per step)")

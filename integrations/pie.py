@@ -1,29 +1,27 @@
 """Code edits without re-prefill: an editing session over a document's token ids and its PositionedCache.
 
-Strategies (per call):
+Strategies are kvpos.edits.Strategy values (or their spec strings, one grammar everywhere):
   full    re-encode the whole edited document (the reference)
   pie     Positional Integrity Encoding: keep the untouched segments' KV, move each by its cumulative shift (one
           rotation of the raw keys, values unchanged), encode only the new tokens on top of what precedes them
   naive   "conflict fast" reuse: splice the encoded new tokens in and leave the old positions as they were
           (duplicated / gapped positions); generation continues at the document's true positions, as a plain
           generate loop does (position = document length), so the stale suffix sits shift positions off
-  pie+k   pie, and also re-encode the k tokens after every edit (their context changed the most)
-  pie+blend  pie, then CacheBlend on the stale tokens (all from the first kept token after an edit): layers 0-1
-          are refreshed for all of them, the `ratio` whose layer-1 values moved most are carried through every layer
-          (ratio = 1 equals full)
-  pie+attn   (beyond PIE and CacheBlend: query-aware) pie, then ask the document's last `probe` tokens which stale
-          slots they read: one probe forward of those tokens records their attention over the cache (mean over
-          layers, heads and rows); the `ratio` of the stale slots with the most attention, plus the probe tokens
-          themselves, are re-encoded through every layer in one forward (ratio = 1 equals full). Measured on real
-          code, the stale error that flips a next-line prediction sits where the cursor looks, mostly near it, not
-          right after the edit (bench/pie_eval.py)
+  pie+k<K>    pie, and also re-encode the K tokens after every edit (their context changed the most)
+  pie+blend<P>  pie, then CacheBlend on the stale tokens (all from the first kept token after an edit): layers 0-1
+          are refreshed for all of them, the P% whose layer-1 values moved most are carried through every layer
+          (100% equals full)
+  pie+attn<P>[+probe<Q>]  (query-aware) pie, then the document's last Q tokens (default 16) pick, by their attention
+          over the cache, the P% of the stale slots they read most; those and the probe tokens are re-encoded through
+          every layer in one forward (100% equals full)
+  +tail<T>    any of them (but full) also re-encodes the last T tokens of the document
 
 Every update builds a new cache from the old one's raw KV (the old cache is only read), so a failure leaves the
 session exactly as it was.
 
     s = EditSession(model, ids)                          # prefills the document
     r = s.apply([Insert(120, new_ids)], "pie")           # r.update_s, r.tokens_encoded
-    s.apply_text(tok, new_source_text, "pie+k", k=8)     # re-tokenize, diff on tokens, apply
+    s.apply_text(tok, new_source_text, "pie+k8")         # re-tokenize, diff on tokens, apply
     line_ids = s.generate(max_new_tokens=32)             # continue at the end (or cursor=...)
 """
 from __future__ import annotations
@@ -34,14 +32,15 @@ from typing import Any, Sequence
 
 import torch
 
-from kvpos._checks import as_token_ids, check_fraction, check_int, fail
-from kvpos.edits import Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
+from kvpos._checks import as_token_ids, check_int, fail
+from kvpos.cache import PositionedKV
+from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, normalize, plan, stale_slots, widen, \
+    with_tail
 from kvpos.integrations.compose import blend_recompute, recompute_slots
-from kvpos.integrations.hf import PositionedCache, _additive, extend, generate
+from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, additive_mask, bind_attention, extend, \
+    generate
 
-__all__ = ["EditSession", "EditResult", "STRATEGIES", "attention_mass"]
-
-STRATEGIES = ("full", "pie", "naive", "pie+k", "pie+blend", "pie+attn")
+__all__ = ["EditSession", "EditResult", "attention_mass", "AttentionMassProbe"]
 
 
 @dataclass
@@ -73,74 +72,61 @@ class EditSession:
     def length(self) -> int:
         return int(self.ids.numel())
 
+    @property
+    def layer_types(self) -> list[str]:
+        return list(getattr(self.model.config, "layer_types", None) or [])
+
     # -- edits -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def apply(self, edits: Sequence[Replace] | Replace, strategy: str = "pie", k: int = 8,
-              tail: int = 0, ratio: float = 0.1, probe: int = 16) -> EditResult:
-        """Apply edits (token indices of the current document) with `strategy`; the session moves to the new doc.
-
-        tail (every strategy but full): also re-encode the last `tail` tokens of the document in the new context.
-        ratio (pie+blend / pie+attn): the fraction of the stale tokens carried through every layer.
-        probe (pie+attn): how many of the document's last tokens choose the stale slots by their attention."""
-        if strategy not in STRATEGIES:
-            fail("apply strategy", f"one of {STRATEGIES}", repr(strategy))
-        k = check_int("apply k", k)
-        if k < 0:
-            fail("apply k", "an int >= 0", k)
-        tail = check_int("apply tail", tail)
-        if tail < 0:
-            fail("apply tail", "an int >= 0", tail)
-        ratio = check_fraction("apply ratio", ratio)
-        probe = check_int("apply probe", probe)
-        if probe < 1:
-            fail("apply probe", "an int >= 1 (the last tokens whose attention picks the stale slots)", probe)
-        if strategy == "pie+attn" and self._sliding:
-            fail("pie+attn model", "full-attention layers only (one 4-D mask per forward)",
-                 sorted(set(self.model.config.layer_types)), "use pie+k / tail= on sliding-window models")
+    def apply(self, edits: Sequence[Replace] | Replace, strategy: str | Strategy = "pie", **overrides: Any
+              ) -> EditResult:
+        """Apply edits (token indices of the current document) with `strategy` (a Strategy or its spec, e.g.
+        "pie+k64+tail512"; keyword overrides set its fields: k, tail, ratio, probe). The session moves to the new
+        document."""
+        strat = Strategy.parse(strategy, **overrides).check(self.layer_types)
         edits = normalize(edits, self.length)
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
         if new_ids.numel() == 0:
             fail("edits", "a non-empty document after editing", "every token deleted")
         t0 = time.perf_counter()
-        if strategy == "full":
+        if strat.base == "full":
             cache = PositionedCache.from_model(self.model)
             extend(self.model, cache, new_ids[None])
             enc, reused = new_ids.numel(), 0
         else:
-            if strategy == "pie+k":
-                edits = widen(self.ids, edits, k)
-            if tail:
-                edits = with_tail(self.ids, edits, tail)
+            if strat.k:
+                edits = widen(self.ids, edits, strat.k)
+            if strat.tail:
+                edits = with_tail(self.ids, edits, strat.tail)
             pieces = plan(self.length, edits)
-            cache, enc, reused = self._splice(pieces, fix_positions=strategy != "naive")
-            if strategy == "pie+blend":
-                stale = _stale_slots(pieces)
+            cache, enc, reused = self._splice(pieces, fix_positions=strat.base != "naive")
+            if strat.repair == "blend":
+                stale = stale_slots(pieces)
                 allowed = torch.arange(cache.num_slots)[None] <= stale[:, None]      # causal over the new document
-                enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, ratio)
-            elif strategy == "pie+attn":
-                enc += _attention_refresh(self.model, cache, _stale_slots(pieces), new_ids, ratio, probe)
+                enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, strat.ratio)
+            elif strat.repair == "attn":
+                enc += _attention_refresh(self.model, cache, stale_slots(pieces), new_ids, strat.ratio, strat.probe)
         dt = time.perf_counter() - t0
         self.ids, self.cache = new_ids, cache
-        return EditResult(strategy, dt, int(enc), int(reused), len(edits))
+        return EditResult(str(strat), dt, int(enc), int(reused), len(edits))
 
-    def apply_text(self, tokenizer: Any, new_text: str, strategy: str = "pie", k: int = 8,
-                   add_special_tokens: bool = False, tail: int = 0, ratio: float = 0.1, probe: int = 16
-                   ) -> EditResult:
+    def apply_text(self, tokenizer: Any, new_text: str, strategy: str | Strategy = "pie",
+                   add_special_tokens: bool = False, **overrides: Any) -> EditResult:
         """Re-tokenize the whole new text, diff on tokens (tokenization can change around an edit) and apply."""
         if not isinstance(new_text, str):
             fail("apply_text new_text", "a str", type(new_text).__name__, exc=TypeError)
         new = tokenizer(new_text, add_special_tokens=add_special_tokens).input_ids
-        return self.apply(diff_tokens(self.ids, new), strategy, k, tail=tail, ratio=ratio, probe=probe)
+        return self.apply(diff_tokens(self.ids, new), strategy, **overrides)
 
-    def _splice(self, pieces: list, fix_positions: bool) -> tuple[PositionedCache, int, int]:
+    def _splice(self, pieces: list[Piece], fix_positions: bool) -> tuple[PositionedCache, int, int]:
         """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old
         positions for naive) and placeholder slots for the new tokens, which ONE forward then encodes in place, each
         new token attending to every slot before it (causal over the new document)."""
+        if self._sliding and any(p.kind == "new" for p in pieces):
+            return self._splice_sequential(pieces, fix_positions)
         old = self.cache
-        old._check_idle("apply")
         new = old.empty_like()
-        n_new = sum(p.length for p in pieces)
-        new.reserve_(n_new + 16)
+        new.reserve_(sum(p.length for p in pieces) + 16)
         new_slots, new_ids = [], []
         reused = 0
         for p in pieces:
@@ -154,8 +140,6 @@ class EditSession:
                 new_slots.append(torch.arange(s0, s0 + p.length))
                 new_ids.append(torch.tensor(p.ids, dtype=torch.long))
         enc = 0
-        if new_slots and self._sliding:
-            return self._splice_sequential(pieces, fix_positions)
         if new_slots:
             slots = torch.cat(new_slots)
             allowed = torch.arange(new.num_slots)[None] <= slots[:, None]       # causal over the new document
@@ -166,10 +150,9 @@ class EditSession:
     def _sliding(self) -> bool:
         """Models with sliding-window layers: one 4-D mask cannot express the window, so edits are encoded one
         after another with transformers' own masks (new tokens last, so slot distance = position distance)."""
-        lt = getattr(self.model.config, "layer_types", None) or []
-        return any(t != "full_attention" for t in lt)
+        return any(t != "full_attention" for t in self.layer_types)
 
-    def _splice_sequential(self, pieces: list, fix_positions: bool) -> tuple[PositionedCache, int, int]:
+    def _splice_sequential(self, pieces: list[Piece], fix_positions: bool) -> tuple[PositionedCache, int, int]:
         old = self.cache
         new = old.empty_like()
         new.reserve_(sum(p.length for p in pieces) + 16)
@@ -193,8 +176,7 @@ class EditSession:
         if not 1 <= c <= n:
             fail("generate cursor", f"1 <= cursor <= len(doc)={n}", c)
         cache = self.cache.copy()
-        keep_to = c - 1                 # the token before the cursor is re-fed to get its next-token logits
-        cache.keep_(torch.arange(keep_to))
+        cache.keep_(torch.arange(c - 1))     # the token before the cursor is re-fed to get its next-token logits
         last = self.ids[c - 1:c][None]
         pos = torch.tensor([[c - 1]])   # the document index, as any generate loop has it (= the slot's position
         #                                 after full / pie; naive's stale slots disagree: its "temporal confusion")
@@ -203,18 +185,34 @@ class EditSession:
         return out[0, 1:]
 
 
-def _stale_slots(pieces: list) -> torch.Tensor:
-    """Slots (= new document indices) whose KV may be stale: everything from the first kept token that follows an
-    edit on (later edits' new tokens included: they attended to stale slots). [S] int64, ascending."""
-    after = [p.new_start for p in pieces if p.kind == "keep" and p.old_start > 0]
-    n = pieces[-1].new_start + pieces[-1].length if pieces else 0
-    return torch.arange(min(after), n) if after else torch.zeros(0, dtype=torch.long)
+class AttentionMassProbe:
+    """Attention backend for pie+attn: eager attention (the same numbers as transformers' eager implementation),
+    recording per layer the attention probabilities of the query rows over the first `n_keys` slots, averaged over
+    query heads and rows (`mass`, one [n_keys] float32 tensor per layer)."""
+
+    needs_cache = False
+
+    def __init__(self, n_keys: int) -> None:
+        self.n_keys = n_keys
+        self.mass: list[torch.Tensor] = []
+
+    def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
+        q, k, v = call.query, call.key, call.value
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        w = torch.matmul(q, k.transpose(2, 3)) * call.scaling
+        if call.mask is not None:
+            m = call.mask[..., -k.shape[2]:]
+            w = w + m if m.dtype != torch.bool else w.masked_fill(~m, torch.finfo(w.dtype).min)
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=(0, 1)))
+        return torch.matmul(w, v).transpose(1, 2).contiguous()
 
 
-def attention_mass(model: torch.nn.Module, cache: PositionedCache, n_probe: int, ids: torch.Tensor) -> torch.Tensor:
+def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, ids: torch.Tensor) -> torch.Tensor:
     """How much the last `n_probe` tokens of the document read each earlier slot: their attention probabilities
-    (eager attention, causal, over the cache's first N - n_probe slots), averaged over layers, query heads and the
-    probe rows. ids [N] are the document's token ids (slot j = token j at position j). The cache is not changed.
+    (causal, over the cache's first N - n_probe slots), averaged over layers, query heads and the probe rows.
+    ids [N] are the document's token ids (slot j = token j at position j). The cache is not changed.
     Returns [N - n_probe] float32."""
     N = cache.num_slots
     if check_int("attention_mass n_probe", n_probe) < 1 or N < 2:
@@ -222,22 +220,18 @@ def attention_mass(model: torch.nn.Module, cache: PositionedCache, n_probe: int,
     q = min(n_probe, N - 1)
     c = cache.copy()
     c.keep_(torch.arange(N - q))
-    dtype = next(model.parameters()).dtype
     allowed = torch.arange(N)[None] <= torch.arange(N - q, N)[:, None]                 # [q, N] causal
-    mask = _additive(allowed, dtype)[None, None]
-    prev = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        out = model(input_ids=ids[None, N - q:], position_ids=cache.positions[:, N - q:], attention_mask=mask,
-                    cache=c, use_cache=True, output_attentions=True)
-    finally:
-        model.set_attn_implementation(prev)
-    if not out.attentions or out.attentions[0] is None:
-        fail("pie+attn model", "attention probabilities from eager attention", "none returned")
-    return torch.stack([a[0, :, :, :N - q].float().mean(dim=(0, 1)) for a in out.attentions]).mean(0)
+    mask = additive_mask(allowed, next(model.parameters()).dtype)[None, None]
+    probe = AttentionMassProbe(N - q)
+    with bind_attention(model, probe):
+        model(input_ids=ids[None, N - q:], position_ids=cache.positions[:, N - q:], attention_mask=mask, cache=c,
+              use_cache=True)
+    if not probe.mass:
+        fail("pie+attn model", "attention calls through kvpos's attention binding", "none")
+    return torch.stack(probe.mass).mean(0)
 
 
-def _attention_refresh(model: torch.nn.Module, cache: PositionedCache, stale: torch.Tensor, ids: torch.Tensor,
+def _attention_refresh(model: torch.nn.Module, cache: PositionedKV, stale: torch.Tensor, ids: torch.Tensor,
                        ratio: float, n_probe: int) -> int:
     """pie+attn's repair, in place: re-encode (all layers, one forward, causal over the document) the last n_probe
     tokens and the `ratio` of the other stale slots [S] that those tokens attend to most. Returns tokens encoded."""
@@ -256,10 +250,10 @@ def _attention_refresh(model: torch.nn.Module, cache: PositionedCache, stale: to
     return recompute_slots(model, cache, slots, ids[slots], allowed)
 
 
-def _append_kept(old: PositionedCache, new: PositionedCache, piece, fix_positions: bool) -> int:
+def _append_kept(old: PositionedKV, new: PositionedKV, piece: Piece, fix_positions: bool) -> int:
     """Append the raw KV of one untouched segment of `old` to `new`, moved by its shift (or left at its old
     positions when `fix_positions` is False: naive reuse); returns the number of slots reused."""
     s, e = piece.old_start, piece.old_start + piece.length
-    pos = old.table.pos[:, s:e] + (piece.shift if fix_positions else 0)
-    new.append_raw_([(l.raw_k[:, :, s:e], l.v[:, :, s:e]) for l in old.layers], pos)
+    pos = old.positions[:, s:e] + (piece.shift if fix_positions else 0)
+    new.append_from_(old, s, e, positions=pos, segment=0)
     return piece.length

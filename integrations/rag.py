@@ -21,11 +21,14 @@ from typing import Any, Sequence
 
 import torch
 
-from kvpos._checks import fail
-from kvpos.integrations.compose import ChunkCache
+from kvpos._checks import check_fraction, fail
+from kvpos.ape import ApeParams
+from kvpos.compose import LAYOUTS
+from kvpos.integrations.ape import ApeBackend
+from kvpos.integrations.compose import ChunkComposer
 from kvpos.integrations.hf import extend, generate
 
-__all__ = ["PromptParts", "ChatPromptBuilder", "RagPipeline", "RagAnswer"]
+__all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer"]
 
 _SENTINEL = "\u2063KVPOS_CONTENT\u2063"
 
@@ -51,9 +54,8 @@ class ChatPromptBuilder:
                  question_prefix: str = "Question: ", passages_header: str = "", turns: bool = True) -> None:
         """turns=False: all passages and the question in one user message, passages separated by `passage_sep`.
         turns=True (default): every passage is its own user message (a chunk ends with the template's end-of-turn
-        + next-user header), so each chunk starts exactly where the anchor ends in the full prompt too. Measured on
-        SmolLM2-135M (bench/rag_eval.py): first-token KL of sequential reuse vs full prefill 0.05 with turns, 0.37
-        in one message; needle accuracy 95% vs 74% of full prefill."""
+        + next-user header), so each chunk starts exactly where the anchor ends in the full prompt too; independently
+        encoded chunks stay much closer to full prefill that way (measured in results/rag_eval*.md)."""
         self.tok = tokenizer
         msgs = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
         msgs.append({"role": "user", "content": _SENTINEL})
@@ -91,6 +93,37 @@ class ChatPromptBuilder:
         return PromptParts(self.anchor_ids, [self.chunk_ids(p) for p in passages], self.question_ids(question))
 
 
+@dataclass(frozen=True)
+class RagMethod:
+    """How a request is answered: "full" (plain prefill of the whole prompt, no reuse) or chunk reuse with a
+    layout, optional repairs (link_k, recompute_ratio) and optional APE attention (ape: ApeParams)."""
+
+    name: str
+    layout: str = "sequential"           # "full", "sequential" or "parallel"
+    link_k: int = 0
+    recompute_ratio: float = 0.0
+    ape: ApeParams | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("full", *LAYOUTS):
+            fail(f"RagMethod {self.name} layout", f"'full' or one of {LAYOUTS}", repr(self.layout))
+        if isinstance(self.link_k, bool) or not isinstance(self.link_k, int) or self.link_k < 0:
+            fail(f"RagMethod {self.name} link_k", "an int >= 0", self.link_k)
+        object.__setattr__(self, "recompute_ratio", check_fraction(f"RagMethod {self.name} recompute_ratio",
+                                                                   self.recompute_ratio))
+        if self.ape is not None and not isinstance(self.ape, ApeParams):
+            fail(f"RagMethod {self.name} ape", "None or an ApeParams", type(self.ape).__name__, exc=TypeError)
+        if self.layout == "full" and (self.link_k or self.recompute_ratio or self.ape is not None):
+            fail(f"RagMethod {self.name}", "no repairs or APE with layout='full' (nothing is reused)", self)
+
+    @property
+    def reuses(self) -> bool:
+        return self.layout != "full"
+
+
+FULL = RagMethod("full", layout="full")
+
+
 @dataclass
 class RagAnswer:
     """The answer and what it cost."""
@@ -103,14 +136,16 @@ class RagAnswer:
 class RagPipeline:
     """Answer questions over retrieved passages with position-independent chunk reuse.
 
-    Defaults come from bench/rag_eval.py on SmolLM2-135M: with one user message per passage, plain sequential
-    reuse keeps 97% of full-prefill accuracy (first-token KL 0.05); link recompute (link_k) lowers the KL a little
-    (0.04 at k=16) at extra TTFT and is off by default; selective recompute (recompute_ratio) lowers it most (0.03).
+    Defaults: sequential layout, no repairs (link_k, recompute_ratio off); their measured fidelity and cost are in
+    results/rag_eval*.md and results/bench_ttft.md.
 
         rag = RagPipeline(model, tok)                                  # memory chunk store, sequential layout
         ans = rag.answer(retriever(query), query)                      # ans.text, ans.report
         ans.report  -> {"chunks_hit": 3, "chunks_missed": 1, "tokens_computed": 190, "tokens_reused": 840,
-                        "ttft_s": 0.21, "total_s": 0.9, ...}
+                        "ttft_s": ..., "total_s": ..., ...}
+
+    `answer_parts(parts, method)` and `score(parts, method, ids)` are the one path every answer takes (the
+    benchmarks call them too).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, system_prompt: str | None = None,
@@ -118,44 +153,76 @@ class RagPipeline:
                  store: Any = None, namespace: str = "default", builder: ChatPromptBuilder | None = None,
                  **store_kw: Any) -> None:
         self.model, self.tok = model, tokenizer
-        self.builder = builder or ChatPromptBuilder(tokenizer, system_prompt)
-        self.cache = ChunkCache(model, self.builder.anchor_ids, store=store, backend=backend, namespace=namespace,
-                                **store_kw)
-        self.layout, self.link_k, self.recompute_ratio = layout, link_k, recompute_ratio
+        self.builder = builder if builder is not None else ChatPromptBuilder(tokenizer, system_prompt)
+        self.composer = ChunkComposer(model, self.builder.anchor_ids, store=store, backend=backend,
+                                      namespace=namespace, **store_kw)
+        self.method = RagMethod("default", layout, link_k if layout == "sequential" else 0, recompute_ratio)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
 
+    def _request(self, parts: PromptParts, method: RagMethod) -> tuple[Any, Any]:
+        cache, info = self.composer.compose(parts.chunks, layout=method.layout, link_k=method.link_k,
+                                            recompute_ratio=method.recompute_ratio)
+        return cache, info
+
+    def _attention(self, method: RagMethod) -> ApeBackend | None:
+        return ApeBackend(method.ape) if method.ape is not None else None
+
     @torch.no_grad()
-    def answer(self, passages: Sequence[str], question: str, max_new_tokens: int = 48, **overrides: Any) -> RagAnswer:
-        """Greedy answer using cached chunks (computed and stored on a miss). overrides: layout/link_k/recompute_ratio."""
+    def score(self, parts: PromptParts, method: RagMethod, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [1, Q + E, V] over the question and `extra` token ids [E] (teacher forced after it), for a request
+        built by `method` from a fresh cache: the first-token distribution is row Q - 1."""
+        extra = torch.zeros(0, dtype=torch.long) if extra is None else torch.as_tensor(extra, dtype=torch.long)
+        q = torch.cat([parts.question, extra])
+        if not method.reuses:
+            ids = torch.cat([parts.full_ids(), extra[None]], 1)
+            return self.model(ids).logits[:, ids.shape[1] - q.numel():]
+        cache, _ = self._request(parts, method)
+        return extend(self.model, cache, q[None], attention=self._attention(method))
+
+    @torch.no_grad()
+    def answer_parts(self, parts: PromptParts, method: RagMethod, max_new_tokens: int = 48) -> RagAnswer:
+        """Greedy answer to a tokenized request with `method`; report: chunks hit/missed, tokens computed/reused,
+        ttft_s (request start to the first token), total_s."""
         t0 = time.perf_counter()
-        parts = self.builder.parts(passages, question)
-        layout = overrides.get("layout", self.layout)
-        link_k = overrides.get("link_k", self.link_k if layout == "sequential" else 0)
-        ratio = overrides.get("recompute_ratio", self.recompute_ratio)
-        cache, info = self.cache.compose(parts.chunks, layout=layout, link_k=link_k, recompute_ratio=ratio)
-        logits = extend(self.model, cache, parts.question[None])
+        eos = self.tok.eos_token_id
+        if not method.reuses:
+            ids = parts.full_ids()
+            out = self.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+            gen = out[0, ids.shape[1]:].tolist()
+            return RagAnswer(self._decode(gen), gen, {"method": method.name, "tokens_computed": ids.shape[1],
+                                                      "total_s": time.perf_counter() - t0})
+        cache, info = self._request(parts, method)
+        attention = self._attention(method)
+        logits = extend(self.model, cache, parts.question[None], attention=attention)
         first = int(logits[0, -1].argmax())
         ttft = time.perf_counter() - t0
         ids = [first]
-        if max_new_tokens > 1 and first != self.tok.eos_token_id:
-            out = generate(self.model, cache, torch.tensor([[first]]), max_new_tokens=max_new_tokens - 1,
-                           do_sample=False, pad_token_id=self.tok.eos_token_id)
+        if max_new_tokens > 1 and first != eos:
+            out = generate(self.model, cache, torch.tensor([[first]]), attention=attention,
+                           max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=eos)
             ids += out[0, 1:].tolist()
-        report = {"chunks_hit": info.hits, "chunks_missed": info.misses,
+        report = {"method": method.name, "chunks_hit": info.hits, "chunks_missed": info.misses,
                   "tokens_computed": info.tokens_computed + parts.question.numel(),
-                  "tokens_reused": info.tokens_reused + parts.anchor.numel(), "layout": layout, "link_k": link_k,
-                  "recompute_ratio": ratio, "fetch_s": info.fetch_s, "compose_s": info.compose_s, "ttft_s": ttft,
-                  "total_s": time.perf_counter() - t0, "store": asdict(self.cache.store.stats) | {"events": []}}
+                  "tokens_reused": info.tokens_reused + parts.anchor.numel(), "layout": method.layout,
+                  "link_k": method.link_k, "recompute_ratio": method.recompute_ratio, "fetch_s": info.fetch_s,
+                  "compose_s": info.compose_s, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+                  "store": asdict(self.composer.store.stats) | {"events": []}}
         return RagAnswer(self._decode(ids), ids, report)
 
-    @torch.no_grad()
+    def answer(self, passages: Sequence[str], question: str, max_new_tokens: int = 48, **overrides: Any) -> RagAnswer:
+        """Greedy answer using cached chunks (computed and stored on a miss). overrides: layout / link_k /
+        recompute_ratio for this request."""
+        parts = self.builder.parts(passages, question)
+        m = self.method
+        layout = overrides.pop("layout", m.layout)
+        method = RagMethod("request", layout, overrides.pop("link_k", m.link_k if layout == "sequential" else 0),
+                           overrides.pop("recompute_ratio", m.recompute_ratio))
+        if overrides:
+            fail("answer overrides", "layout / link_k / recompute_ratio", sorted(overrides), exc=TypeError)
+        return self.answer_parts(parts, method, max_new_tokens)
+
     def answer_full(self, passages: Sequence[str], question: str, max_new_tokens: int = 48) -> RagAnswer:
         """The baseline: plain full prefill of the same token ids, greedy."""
-        t0 = time.perf_counter()
-        ids = self.builder.parts(passages, question).full_ids()
-        out = self.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=self.tok.eos_token_id)
-        gen = out[0, ids.shape[1]:].tolist()
-        return RagAnswer(self._decode(gen), gen, {"tokens_computed": ids.shape[1], "total_s": time.perf_counter() - t0})
+        return self.answer_parts(self.builder.parts(passages, question), FULL, max_new_tokens)

@@ -51,12 +51,14 @@ def as_positions(what: str, pos: Any, batch: int, length: int, device: torch.dev
             pos = torch.as_tensor(pos)
         except Exception:  # noqa: BLE001 - any conversion failure is a type error for the caller
             fail(what, "an integer tensor or list of ints", type(pos).__name__, exc=TypeError)
+        if pos.numel() == 0:
+            pos = pos.long()                    # [] converts to float32; an empty list of ints is meant
     if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
         fail(what, "integer positions (int64)", f"dtype {pos.dtype}", "pass torch.long positions", exc=TypeError)
     if pos.dim() == 1:
         pos = pos[None]
     if pos.dim() != 2 or pos.shape[-1] != length or pos.shape[0] not in (1, batch):
-        fail(what, f"shape [S]={length} or [B, S]={(batch, length)}", tuple(pos.shape))
+        fail(what, f"{length} positions, shape [S]={length} or [B, S]={(batch, length)}", f"shape {tuple(pos.shape)}")
     pos = pos.to(dtype=torch.long, device=device)
     if pos.numel() and int(pos.min()) < 0:
         fail(what, "positions >= 0", f"min {int(pos.min())}")
@@ -71,3 +73,29 @@ def as_token_ids(what: str, ids: Any) -> torch.Tensor:
     if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
         fail(what, "1-D integer token ids [S] (or [1, S])", f"{tuple(t.shape)} {t.dtype}")
     return t.long()
+
+
+def check_slot_index(what: str, slots: Any, n: int) -> torch.Tensor:
+    """1-D int64 slot indices in [0, n), distinct; refuses floats, bools (a mask: use .nonzero()) and other shapes."""
+    if isinstance(slots, torch.Tensor):
+        idx = slots
+    else:
+        if isinstance(slots, (str, bytes)) or not hasattr(slots, "__iter__"):
+            fail(what, "a 1-D list or tensor of slot indices", type(slots).__name__, exc=TypeError)
+        items = list(slots)
+        for i, x in enumerate(items):
+            if isinstance(x, bool) or not isinstance(x, int):
+                fail(f"{what}[{i}]", "an int slot index", f"{type(x).__name__} {x!r}", exc=TypeError)
+        idx = torch.tensor(items, dtype=torch.long)
+    if idx.dtype == torch.bool:
+        fail(what, "integer slot indices", "a bool mask", "pass mask.nonzero().flatten()", exc=TypeError)
+    if idx.is_floating_point() or idx.is_complex():
+        fail(what, "integer slot indices", f"dtype {idx.dtype}", exc=TypeError)
+    if idx.dim() != 1:
+        fail(what, "a 1-D index list", tuple(idx.shape))
+    idx = idx.long().cpu()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        fail(what, f"indices in [0, {n})", f"min {int(idx.min())}, max {int(idx.max())}")
+    if idx.unique().numel() != idx.numel():
+        fail(what, "distinct indices", "repeated indices")
+    return idx

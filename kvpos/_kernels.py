@@ -11,17 +11,17 @@ CPU model, so a cache directory shared between different machines never serves a
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 
 import torch
 
-__all__ = ["rope_kernel_available", "rope_apply_kernel", "score_int8_kernel", "topk_indices", "transpose_int8_blocks"]
+__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "score_int8_kernel", "topk_indices", "transpose_int8_blocks"]
 
 _SRC = r"""
 #include <stdint.h>
@@ -169,11 +169,7 @@ void kvpos_topk(const float *s, int64_t H, int64_t F, int64_t k, int64_t *out, f
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-build_error: str | None = None
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
 def _cpu_id() -> str:
@@ -187,12 +183,11 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build() -> ctypes.CDLL | None:
-    global build_error
+def _build() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) or (None, why it could not be built)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
-        build_error = "no C compiler (gcc/cc) on PATH"
-        return None
+        return None, "no C compiler (gcc/cc) on PATH"
     key = hashlib.sha256((_SRC + " ".join(_FLAGS) + _cpu_id() + platform.machine()).encode()).hexdigest()[:16]
     root = os.environ.get("KVPOS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvpos")
     os.makedirs(root, exist_ok=True)
@@ -205,8 +200,7 @@ def _build() -> ctypes.CDLL | None:
             out = os.path.join(tmp, "rope.so")
             res = subprocess.run([cc, *_FLAGS, src, "-o", out], capture_output=True, text=True)
             if res.returncode != 0:
-                build_error = f"{cc} failed: {res.stderr.strip()[:500]}"
-                return None
+                return None, f"{cc} failed: {res.stderr.strip()[:500]}"
             os.replace(out, so)  # atomic: concurrent builders leave one valid file
     lib = ctypes.CDLL(so)
     i64, vp, fp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
@@ -218,30 +212,33 @@ def _build() -> ctypes.CDLL | None:
     lib.kvpos_score_int8.restype = None
     lib.kvpos_topk.argtypes = [vp] + [i64] * 3 + [vp, vp, vp, ctypes.c_int]
     lib.kvpos_topk.restype = None
-    return lib
+    return lib, None
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """Build/load the library once per process (a write-once memo; KVPOS_NO_KERNEL=1 disables it)."""
+    if os.environ.get("KVPOS_NO_KERNEL"):
+        return None, "disabled by KVPOS_NO_KERNEL"
+    try:
+        return _build()
+    except Exception as e:  # noqa: BLE001 - any build/load failure means the torch path, reported by kernel_status
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _get() -> ctypes.CDLL | None:
-    global _lib, _tried, build_error
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if os.environ.get("KVPOS_NO_KERNEL"):
-                build_error = "disabled by KVPOS_NO_KERNEL"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as e:  # noqa: BLE001 - any build/load failure falls back to torch, reported below
-                    build_error = f"{type(e).__name__}: {e}"
-                    _lib = None
-            _tried = True
-    return _lib
+    return _load()[0]
 
 
 def rope_kernel_available() -> bool:
-    """True when the fused C kernel is built and loaded (see `build_error` otherwise)."""
+    """True when the fused C kernel is built and loaded (see `kernel_status` otherwise)."""
     return _get() is not None
+
+
+def kernel_status() -> str:
+    """'built' or why the C kernels are not in use (the torch path computes the same numbers)."""
+    lib, err = _load()
+    return "built" if lib is not None else str(err)
 
 
 def _eligible(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor, xst: list[tuple],

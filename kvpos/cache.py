@@ -1,6 +1,6 @@
-"""The positioned KV cache core: per-layer UNROTATED keys + rotated keys + values, and one slot table of positions.
+"""The positioned KV cache: per-layer UNROTATED keys + rotated keys + values, and one slot table of positions.
 
-Letters: B batch · H kv heads · T cached slots · S new slots · D head_dim · C capacity (>= T).
+Letters (kvpos glossary): B batch · H kv heads · T cached slots · S new slots · D head_dim · C capacity (>= T).
 
 Storage per layer (buffers grow geometrically, the first T slots are valid):
 
@@ -15,26 +15,34 @@ Slot table, shared by all layers (every layer holds the same slots):
     segment [B, C] int32  free label per slot (compose() marks anchor / chunk / query slots with it)
 
 Invariant: rot_k[..., j, :] == rotate(raw_k[..., j, :], pos[j]) for every valid slot j, computed by ONE rotation from
-raw_k whenever pos[j] changes (no chains of delta rotations, so no drift). New slots coming from the model keep the
-model's own rotated keys (bit-identical to DynamicCache) and get raw_k = unrotate(k, pos).
+raw_k whenever pos[j] changes (no chains of delta rotations, so no drift). Keys written by an engine's forward keep the
+engine's own rotated keys (bit-identical to its plain cache) and get raw_k = unrotate(k, pos).
 
-Every position operation validates all its arguments before touching anything: a failed call leaves the cache as it
-was. Operations that mutate end in "_".
+`PositionedKV` is engine-neutral (torch only). An engine adapter (transformers: kvpos.integrations.hf) feeds a forward
+layer by layer through `write_rotated_`; everything else is a position or structure operation between forwards.
+
+Failure semantics: every operation validates its arguments before touching anything, and growth allocates every new
+buffer before replacing any, so a failed call leaves the cache as it was. A forward that raises part way (an error
+in a later layer, Ctrl-C) is rolled back before the cache is used again. Operations that mutate end in "_".
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from ._checks import as_positions, check_int, check_range, fail
-from .rope import RopeSpec, _apply_many, cos_sin
+from ._checks import as_positions, check_int, check_range, check_slot_index, fail
+from .rope import RopeSpec, _apply, _apply_many, cos_sin
 
-__all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH"]
+__all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE"]
 
-GROWTH = 2.0  # capacity multiplier when a buffer is full
+GROWTH = 2.0            # capacity multiplier when a buffer is full
 _MIN_CAPACITY = 64
+MAX_POSITION = 2 ** 40  # positions must stay below this (far beyond any RoPE context; keeps int64 math exact)
+SEGMENT_RANGE = (-(2 ** 31), 2 ** 31 - 1)   # segment labels are int32
 
 
 def _grown(old_cap: int, need: int) -> int:
@@ -42,6 +50,20 @@ def _grown(old_cap: int, need: int) -> int:
     while cap < need:
         cap = int(math.ceil(cap * GROWTH))
     return cap
+
+
+def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int) -> list[torch.Tensor]:
+    """New buffers of capacity `cap` along `dim` holding the first `valid` entries of each of `bufs`.
+
+    All new buffers are allocated before any copy, so an allocation failure leaves the caller's buffers in use."""
+    new = []
+    for b in bufs:
+        shape = list(b.shape)
+        shape[dim] = cap
+        new.append(torch.empty(shape, dtype=b.dtype, device=b.device))
+    for b, n in zip(bufs, new):
+        n.narrow(dim, 0, valid).copy_(b.narrow(dim, 0, valid))
+    return new
 
 
 class SlotTable:
@@ -55,7 +77,12 @@ class SlotTable:
 
     @property
     def batch_size(self) -> int:
+        """B, or -1 before the first slot."""
         return -1 if self._pos is None else self._pos.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._pos is None else self._pos.shape[1]
 
     @property
     def pos(self) -> torch.Tensor:
@@ -70,27 +97,24 @@ class SlotTable:
     def segment(self) -> torch.Tensor:
         return self._seg[:, : self.n] if self._seg is not None else torch.zeros(0, 0, dtype=torch.int32)
 
-    def _reserve(self, B: int, need: int, device: torch.device) -> None:
+    def reserve(self, B: int, need: int, device: torch.device) -> None:
+        """Make room for `need` slots (all-or-nothing)."""
         if self._pos is None:
             cap = _grown(0, need)
-            self._pos = torch.zeros(B, cap, dtype=torch.long, device=device)
-            self._vis = torch.ones(B, cap, dtype=torch.bool, device=device)
-            self._seg = torch.zeros(B, cap, dtype=torch.int32, device=device)
+            pos = torch.zeros(B, cap, dtype=torch.long, device=device)
+            vis = torch.ones(B, cap, dtype=torch.bool, device=device)
+            seg = torch.zeros(B, cap, dtype=torch.int32, device=device)
+            self._pos, self._vis, self._seg = pos, vis, seg
             return
-        cap = self._pos.shape[1]
-        if need <= cap:
+        if need <= self.capacity:
             return
-        new = _grown(cap, need)
-        for name in ("_pos", "_vis", "_seg"):
-            old = getattr(self, name)
-            buf = torch.zeros(old.shape[0], new, dtype=old.dtype, device=old.device)
-            buf[:, : self.n] = old[:, : self.n]
-            setattr(self, name, buf)
+        self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1, _grown(self.capacity, need),
+                                                  self.n)
 
     def append(self, pos: torch.Tensor, visible: torch.Tensor | None = None, segment: int | torch.Tensor = 0) -> None:
         """Append S slots; pos [B, S] int64 (already validated)."""
         B, S = pos.shape
-        self._reserve(B, self.n + S, pos.device)
+        self.reserve(B, self.n + S, pos.device)
         sl = slice(self.n, self.n + S)
         self._pos[:, sl] = pos
         self._vis[:, sl] = True if visible is None else visible
@@ -108,13 +132,21 @@ class SlotTable:
         self.n = idx.numel()
 
     def select_rows_(self, rows: torch.Tensor) -> None:
-        for name in ("_pos", "_vis", "_seg"):
-            setattr(self, name, getattr(self, name)[rows.to(getattr(self, name).device)])
+        """Batch rows `rows` (new tensors: the old buffers are left as they were)."""
+        if self._pos is None:
+            return
+        self._pos, self._vis, self._seg = (b[rows.to(b.device)] for b in (self._pos, self._vis, self._seg))
 
-    def copy(self) -> "SlotTable":
+    def shrink_(self, cap: int) -> None:
+        if self._pos is not None and cap < self.capacity:
+            self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1, cap, self.n)
+
+    def copy(self, headroom: int = 0) -> "SlotTable":
+        """A copy holding the valid slots (plus `headroom` free ones), not the whole capacity."""
         t = SlotTable()
         if self._pos is not None:
-            t._pos, t._vis, t._seg = self._pos.clone(), self._vis.clone(), self._seg.clone()
+            cap = self.n + headroom
+            t._pos, t._vis, t._seg = _regrow([self._pos, self._vis, self._seg], 1, max(cap, 1), self.n)
         t.n = self.n
         return t
 
@@ -154,23 +186,23 @@ class SlotLayer:
 
     # -- growth --------------------------------------------------------------------------------------------------
     def reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
-        """Make room for `need` slots (geometric growth; copies only the valid prefix)."""
-        B, H, _, D = like_k.shape
+        """Make room for `need` slots (geometric growth; copies only the valid prefix; all-or-nothing)."""
         if self.rot_k is None:
+            B, H, _, D = like_k.shape
             cap = _grown(0, need)
-            raw_dtype = self.raw_dtype or like_k.dtype
-            self.rot_k = torch.empty(B, H, cap, D, dtype=like_k.dtype, device=like_k.device)
-            self.raw_k = torch.empty(B, H, cap, D, dtype=raw_dtype, device=like_k.device)
-            self.v = torch.empty(B, H, cap, like_v.shape[-1], dtype=like_v.dtype, device=like_v.device)
+            rot = torch.empty(B, H, cap, D, dtype=like_k.dtype, device=like_k.device)
+            raw = torch.empty(B, H, cap, D, dtype=self.raw_dtype or like_k.dtype, device=like_k.device)
+            v = torch.empty(B, H, cap, like_v.shape[-1], dtype=like_v.dtype, device=like_v.device)
+            self.rot_k, self.raw_k, self.v = rot, raw, v
             return
         if need <= self.capacity:
             return
-        cap = _grown(self.capacity, need)
-        for name in ("rot_k", "raw_k", "v"):
-            old = getattr(self, name)
-            buf = torch.empty(old.shape[0], old.shape[1], cap, old.shape[3], dtype=old.dtype, device=old.device)
-            buf[:, :, : self.n] = old[:, :, : self.n]
-            setattr(self, name, buf)
+        self.rot_k, self.raw_k, self.v = _regrow([self.rot_k, self.raw_k, self.v], 2, _grown(self.capacity, need),
+                                                 self.n)
+
+    def shrink_(self, cap: int) -> None:
+        if self.rot_k is not None and cap < self.capacity:
+            self.rot_k, self.raw_k, self.v = _regrow([self.rot_k, self.raw_k, self.v], 2, cap, self.n)
 
     def append(self, k_rot: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor) -> None:
         """Write S new slots after the valid ones. k_rot/k_raw/v: [B, H, S, D]."""
@@ -190,58 +222,119 @@ class SlotLayer:
         self.n = idx.numel()
 
     def select_rows_(self, rows: torch.Tensor) -> None:
-        for name in ("rot_k", "raw_k", "v"):
-            buf = getattr(self, name)
-            if buf is not None:
-                setattr(self, name, buf[rows.to(buf.device)])
+        """Batch rows `rows` (new tensors: the old buffers are left as they were)."""
+        if self.rot_k is not None:
+            self.rot_k, self.raw_k, self.v = (b[rows.to(b.device)] for b in (self.rot_k, self.raw_k, self.v))
 
     def clear(self) -> None:
         self.raw_k = self.rot_k = self.v = None
         self.n = 0
 
 
-class PositionedKV:
-    """Position operations over a list of SlotLayer-like layers sharing one SlotTable.
+@dataclass
+class _Forward:
+    """The engine forward being written: slots [n0, n0 + S) at positions pos [B, S]; layers written so far."""
 
-    Subclasses provide `self.layers` (SlotLayer instances) and `self.table` (SlotTable). The transformers adapter
-    (`kvpos.integrations.hf.PositionedCache`) adds the `transformers.Cache` protocol on top.
+    n0: int
+    S: int
+    pos: torch.Tensor
+    done: set = field(default_factory=set)
+    unrot: dict = field(default_factory=dict)     # id(spec) -> (cos, -sin) [B, 1, S, R/2]
+
+
+@dataclass
+class _Overwrite:
+    """A recompute forward writing into existing slots [S]; the old contents per layer, for rollback."""
+
+    slots: torch.Tensor
+    saved: dict = field(default_factory=dict)      # layer index -> (rot, raw, v) of the slots before the write
+
+
+class PositionedKV:
+    """A positioned KV cache: one SlotLayer per model layer sharing one SlotTable, and every position operation.
+
+        kv = PositionedKV(specs)                                   # one RopeSpec per layer
+        kv.append_raw_([(raw_k, v), ...], positions)               # stored chunks enter like this
+        kv.shift_(0, 10, +500)                                     # keys re-rotated once from raw
+        kv.layers[i].keys                                          # [B, H, T, D] what attention reads
+
+    Engine adapters subclass it (kvpos.integrations.hf.PositionedCache adds the transformers Cache protocol) and feed
+    forwards through `write_rotated_`.
     """
 
-    layers: list[SlotLayer]
-    table: SlotTable
+    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None) -> None:
+        if isinstance(specs, RopeSpec) or not isinstance(specs, (list, tuple)) or not specs:
+            fail(f"{type(self).__name__} specs", "a non-empty list with one RopeSpec per layer",
+                 type(specs).__name__ if not isinstance(specs, (list, tuple)) else "an empty list", exc=TypeError
+                 if not isinstance(specs, (list, tuple)) else ValueError)
+        for i, s in enumerate(specs):
+            if not isinstance(s, RopeSpec):
+                fail(f"{type(self).__name__} specs[{i}]", "a RopeSpec", type(s).__name__, exc=TypeError)
+        if raw_dtype is not None and (not isinstance(raw_dtype, torch.dtype) or not raw_dtype.is_floating_point):
+            fail(f"{type(self).__name__} raw_dtype", "None or a floating torch.dtype", raw_dtype, exc=TypeError)
+        self.raw_dtype = raw_dtype
+        self.layers: list[SlotLayer] = [self._new_layer(i, s) for i, s in enumerate(specs)]
+        self.table = SlotTable()
+        self._forward: _Forward | None = None
+        self._overwrite: _Overwrite | None = None
+
+    def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
+        """The storage object of layer `index` (engine adapters return their protocol subclass)."""
+        return SlotLayer(spec, self.raw_dtype)
+
+    @property
+    def specs(self) -> list[RopeSpec]:
+        return [l.spec for l in self.layers]
 
     # -- reading -------------------------------------------------------------------------------------------------
     @property
     def num_slots(self) -> int:
         """T, the number of cached slots (hidden ones included)."""
+        self._settle()
         return self.table.n
+
+    @property
+    def batch_size(self) -> int:
+        """B, or -1 for a cache that never held a slot."""
+        self._settle()
+        return self.table.batch_size
 
     @property
     def positions(self) -> torch.Tensor:
         """[B, T] int64 copy of the slot positions."""
+        self._settle()
         return self.table.pos.clone()
 
     @property
     def visible(self) -> torch.Tensor:
         """[B, T] bool copy: False where a slot is hidden."""
+        self._settle()
         return self.table.visible.clone()
 
     @property
     def segments(self) -> torch.Tensor:
         """[B, T] int32 copy of the slot labels."""
+        self._settle()
         return self.table.segment.clone()
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """dtype of the rotated keys (None before the first slot)."""
+        l = self.layers[0]
+        return None if l.rot_k is None else l.rot_k.dtype
 
     def next_position(self) -> torch.Tensor:
         """[B] int64: one past the largest position of a visible slot per row (0 for an empty row)."""
+        self._settle()
         t = self.table
         if t.n == 0:
-            B = max(t.batch_size, 1)
-            return torch.zeros(B, dtype=torch.long)
+            return torch.zeros(max(t.batch_size, 1), dtype=torch.long)
         p = t.pos.masked_fill(~t.visible, -1)
         return p.max(dim=1).values + 1
 
     def attention_mask(self, new_tokens: int = 0) -> torch.Tensor:
-        """[B, T + new_tokens] int64 2-D mask for transformers: 1 = attend, 0 = hidden slot."""
+        """[B, T + new_tokens] int64 2-D mask for an engine: 1 = attend, 0 = hidden slot."""
+        self._settle()
         vis = self.table.visible.long()
         if new_tokens:
             vis = torch.cat([vis, vis.new_ones(vis.shape[0], new_tokens)], 1)
@@ -256,6 +349,8 @@ class PositionedKV:
         n = self._check_idle("raw_kv")
         end = n if end is None else end
         start, end = check_range("raw_kv", start, end, n)
+        if n == 0:
+            return []
         return [(l.raw_k[:, :, start:end].clone(), l.v[:, :, start:end].clone()) for l in self.layers]
 
     def rotated_keys(self, layer: int) -> torch.Tensor:
@@ -264,7 +359,8 @@ class PositionedKV:
 
     # -- validation helpers ----------------------------------------------------------------------------------------
     def _check_idle(self, op: str) -> int:
-        """All layers must hold the table's slots (not in the middle of a forward); return T."""
+        """Settle an interrupted forward; all layers must hold the table's slots. Returns T."""
+        self._settle()
         n = self.table.n
         for i, l in enumerate(self.layers):
             if l.n != n:
@@ -272,26 +368,153 @@ class PositionedKV:
                      "position operations run between forwards, not during one")
         return n
 
-    def _specs(self) -> dict[int, tuple[RopeSpec, list[int]]]:
+    def _groups(self) -> dict[int, tuple[RopeSpec, list[int]]]:
+        """Layers grouped by RoPE spec object: {id(spec): (spec, [layer indices])}."""
         groups: dict[int, tuple[RopeSpec, list[int]]] = {}
         for i, l in enumerate(self.layers):
             groups.setdefault(id(l.spec), (l.spec, []))[1].append(i)
         return groups
 
-    def _check_spec_limits(self, pos: torch.Tensor, what: str) -> None:
-        for spec, _ in self._specs().values():
+    def _check_new_positions(self, pos: torch.Tensor, what: str) -> None:
+        """Positions must be >= 0, below MAX_POSITION and within every spec's exact range."""
+        if pos.numel():
+            lo, hi = int(pos.min()), int(pos.max())
+            if lo < 0:
+                fail(what, "positions >= 0", f"min {lo}")
+            if hi >= MAX_POSITION:
+                fail(what, f"positions < 2**40 (MAX_POSITION)", f"max {hi}", "keep positions within a RoPE context")
+        for spec, _ in self._groups().values():
             spec.check_positions(pos, what)
 
     def _rerotate(self, start: int, end: int) -> None:
         """Recompute rot_k of slots [start, end) from raw_k, every layer; cos/sin computed once per distinct spec."""
-        if end <= start or not self.layers:
+        if end <= start or self.layers[0].rot_k is None:
             return
         pos = self.table.pos[:, start:end]
-        for spec, idx in self._specs().values():
+        for spec, idx in self._groups().values():
             cos, sin = cos_sin(pos, spec, device=self.layers[idx[0]].rot_k.device)
             layers = [self.layers[i] for i in idx]
             _apply_many([l.raw_k[:, :, start:end] for l in layers], [l.rot_k[:, :, start:end] for l in layers],
                         cos[:, None], sin[:, None], spec)
+
+    # -- the write path of an engine forward -----------------------------------------------------------------------
+    def write_rotated_(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `index`'s S new keys, already rotated by the engine to `pos` [B, S] int64, and values.
+
+        k_rot, v: [B, H, S, D]. The first layer written in a forward appends the slots to the table; the forward
+        commits when every layer has written. Returns every (rotated key, value) of the layer, [B, H, T, D] views.
+        Inside `overwriting(slots)` the S tokens replace existing slots instead (positions must match)."""
+        if self._overwrite is not None:
+            return self._overwrite_layer(index, k_rot, v, pos)
+        layer, fw = self.layers[index], self._forward
+        if fw is not None and index in fw.done:      # the previous forward never finished (it raised): undo it
+            self._rollback_forward()
+            fw = None
+        S = k_rot.shape[2]
+        if fw is None:
+            self._check_forward_start(index, k_rot, pos)
+            fw = self._forward = _Forward(self.table.n, S, pos)
+            self.table.append(pos)
+        elif S != fw.S or layer.n != fw.n0:
+            fail(f"write layer {index}", f"{fw.S} new slots after {fw.n0} (what earlier layers of this forward "
+                 "wrote)", f"{S} new slots after {layer.n}", "all layers of one forward must receive the same tokens")
+        cs = fw.unrot.get(id(layer.spec))
+        if cs is None:
+            cos, sin = cos_sin(fw.pos, layer.spec, device=k_rot.device)
+            cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
+        raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
+        layer.append(k_rot, v, raw)
+        fw.done.add(index)
+        if len(fw.done) == len(self.layers):
+            self._forward = None                    # committed
+        return layer.keys, layer.values
+
+    def _check_forward_start(self, index: int, k_rot: torch.Tensor, pos: torch.Tensor) -> None:
+        """Validate a new forward's first write: positions, shapes against what the cache already holds."""
+        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.long or pos.dim() != 2 \
+                or tuple(pos.shape) != (k_rot.shape[0], k_rot.shape[2]):
+            fail(f"write layer {index}: positions", f"int64 [B, S]={(k_rot.shape[0], k_rot.shape[2])}",
+                 f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
+        n = self._check_idle(f"write layer {index}")
+        l = self.layers[index]
+        if k_rot.dim() != 4 or k_rot.shape[-1] != l.spec.head_dim:
+            fail(f"write layer {index}: keys", f"[B, H, S, D={l.spec.head_dim}]", tuple(k_rot.shape))
+        if n and (k_rot.shape[0] != self.table.batch_size or (l.rot_k is not None and (
+                k_rot.shape[1] != l.rot_k.shape[1] or k_rot.dtype != l.rot_k.dtype))):
+            fail(f"write layer {index}: keys", f"batch {self.table.batch_size}, {l.rot_k.shape[1]} kv heads, "
+                 f"{l.rot_k.dtype} (what the cache holds)", f"{tuple(k_rot.shape)} {k_rot.dtype}",
+                 "a cache serves one model and one batch; reset() it or build another")
+        self._check_new_positions(pos, f"write layer {index}: positions")
+
+    def _rollback_forward(self) -> None:
+        fw = self._forward
+        self._forward = None
+        for i in fw.done:
+            self.layers[i].n = fw.n0
+        self.table.truncate(fw.n0)
+
+    def _settle(self) -> None:
+        """Undo a forward that raised part way (some layers written, not all); no-op otherwise."""
+        if self._forward is not None:
+            self._rollback_forward()
+
+    @contextlib.contextmanager
+    def appending(self) -> Iterator[None]:
+        """Within the block, an exception restores the cache to its state at entry: for engine calls that only
+        append slots, reorder batch rows or crop (a forward, a generate loop), whatever layer or step raises."""
+        self._check_idle("appending")
+        table = self.table
+        saved_table = (table._pos, table._vis, table._seg, table.n)
+        saved_layers = [(l.rot_k, l.raw_k, l.v, l.n) for l in self.layers]
+        try:
+            yield
+        except BaseException:
+            self._forward = None
+            self.table = table
+            table._pos, table._vis, table._seg, table.n = saved_table
+            for l, (rot, raw, v, n) in zip(self.layers, saved_layers):
+                l.rot_k, l.raw_k, l.v, l.n = rot, raw, v, n
+            raise
+
+    @contextlib.contextmanager
+    def overwriting(self, slots: torch.Tensor) -> Iterator[None]:
+        """Within the block, forwards write their S tokens into the existing `slots` [S] (in order) instead of
+        appending: the recompute step of link / selective repairs. Positions must equal what the slots hold. On an
+        exception every overwritten slot gets its old keys and values back (cache: modified in place)."""
+        n = self._check_idle("overwriting")
+        idx = check_slot_index("overwriting slots", slots, n)
+        if self._overwrite is not None:
+            fail("overwriting", "no overwrite already in progress", "a nested overwriting() block")
+        self._overwrite = ow = _Overwrite(idx)
+        try:
+            yield
+        except BaseException:
+            for i, (rot, raw, v) in ow.saved.items():
+                l = self.layers[i]
+                d = l.rot_k.device
+                l.rot_k[:, :, idx.to(d)], l.raw_k[:, :, idx.to(d)], l.v[:, :, idx.to(d)] = rot, raw, v
+            raise
+        finally:
+            self._overwrite = None
+
+    def _overwrite_layer(self, index: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        ow, l = self._overwrite, self.layers[index]
+        if ow.slots.numel() != k.shape[2]:
+            fail(f"write layer {index} (overwrite)", f"{ow.slots.numel()} tokens for the chosen slots", k.shape[2])
+        held = self.table.pos[:, ow.slots.to(self.table.pos.device)]
+        if tuple(pos.shape) != tuple(held.shape) or not torch.equal(held, pos.to(held.device)):
+            fail(f"write layer {index} (overwrite)", "the positions the slots hold", pos.tolist())
+        cos, sin = cos_sin(pos, l.spec, device=k.device)
+        raw = _apply(k, cos[:, None], -sin[:, None], l.spec, 1.0 / l.spec.attention_scaling)
+        idx = ow.slots.to(l.rot_k.device)
+        if index not in ow.saved:
+            ow.saved[index] = (l.rot_k[:, :, idx].clone(), l.raw_k[:, :, idx].clone(), l.v[:, :, idx].clone())
+        l.rot_k[:, :, idx] = k.to(l.rot_k.dtype)
+        l.raw_k[:, :, idx] = raw.to(l.raw_k.dtype)
+        l.v[:, :, idx] = v.to(l.v.dtype)
+        return l.keys, l.values
 
     # -- position operations -------------------------------------------------------------------------------------
     def shift_(self, start: int, end: int, delta: int) -> "PositionedKV":
@@ -303,10 +526,10 @@ class PositionedKV:
         n = self._check_idle("shift_")
         start, end = check_range("shift_", start, end, n)
         delta = check_int("shift_ delta", delta)
+        if abs(delta) >= MAX_POSITION:
+            fail("shift_ delta", f"|delta| < 2**40 (MAX_POSITION)", delta)
         new = self.table.pos[:, start:end] + delta
-        if new.numel() and int(new.min()) < 0:
-            fail("shift_", "positions >= 0 after the shift", f"min {int(new.min())} (delta={delta})")
-        self._check_spec_limits(new, "shift_")
+        self._check_new_positions(new, f"shift_ (delta={delta})")
         self.table.pos[:, start:end] = new
         self._rerotate(start, end)
         return self
@@ -317,7 +540,7 @@ class PositionedKV:
         start, end = check_range("set_positions_", start, end, n)
         B = max(self.table.batch_size, 1)
         pos = as_positions("set_positions_ positions", positions, B, end - start, self.table.pos.device)
-        self._check_spec_limits(pos, "set_positions_")
+        self._check_new_positions(pos, "set_positions_ positions")
         self.table.pos[:, start:end] = pos
         self._rerotate(start, end)
         return self
@@ -330,6 +553,8 @@ class PositionedKV:
         """
         n = self._check_idle("delete_")
         start, end = check_range("delete_", start, end, n)
+        if not isinstance(close_gap, bool):
+            fail("delete_ close_gap", "a bool", type(close_gap).__name__, exc=TypeError)
         if close_gap and end < n:
             tail = self.table.pos[:, end:n] - (end - start)
             if int(tail.min()) < 0:
@@ -344,141 +569,276 @@ class PositionedKV:
         return self
 
     def keep_(self, slots: torch.Tensor | Sequence[int]) -> "PositionedKV":
-        """Keep only `slots` (1-D slot indices, any order, no repeats), in that order. Positions are unchanged."""
+        """Keep only `slots` (1-D integer slot indices, any order, no repeats), in that order. Positions unchanged."""
         n = self._check_idle("keep_")
-        idx = torch.as_tensor(slots, dtype=torch.long)
-        if idx.dim() != 1:
-            fail("keep_ slots", "a 1-D index list", tuple(idx.shape))
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            fail("keep_ slots", f"indices in [0, {n})", f"min {int(idx.min())}, max {int(idx.max())}")
-        if idx.unique().numel() != idx.numel():
-            fail("keep_ slots", "distinct indices", "repeated indices")
+        idx = check_slot_index("keep_ slots", slots, n)
         self._select(idx)
         return self
 
     def _select(self, idx: torch.Tensor) -> None:
         for l in self.layers:
-            l.select_(idx.to(l.rot_k.device))
-        self.table.select_(idx.to(self.table._pos.device))
+            if l.rot_k is not None:
+                l.select_(idx.to(l.rot_k.device))
+        if self.table._pos is not None:
+            self.table.select_(idx.to(self.table._pos.device))
+        self._maybe_shrink()
+
+    def _maybe_shrink(self) -> None:
+        """Release memory after large deletions: capacity back to ~2x the slots when it exceeds 4x."""
+        n, cap = self.table.n, self.table.capacity
+        if cap > 4 * max(n, _MIN_CAPACITY):
+            new = _grown(0, max(1, 2 * n))
+            for l in self.layers:
+                l.shrink_(new)
+            self.table.shrink_(new)
 
     def hide_(self, start: int, end: int) -> "PositionedKV":
         """Mask slots [start, end) out of attention (kept in memory; `unhide_` brings them back)."""
         n = self._check_idle("hide_")
         start, end = check_range("hide_", start, end, n)
-        self.table._vis[:, start:end] = False
+        if end > start:
+            self.table._vis[:, start:end] = False
         return self
 
     def unhide_(self, start: int, end: int) -> "PositionedKV":
         n = self._check_idle("unhide_")
         start, end = check_range("unhide_", start, end, n)
-        self.table._vis[:, start:end] = True
+        if end > start:
+            self.table._vis[:, start:end] = True
         return self
 
     def set_segment_(self, start: int, end: int, label: int) -> "PositionedKV":
         """Label slots [start, end) with `label` (an int32 tag read by attention backends such as APE)."""
         n = self._check_idle("set_segment_")
         start, end = check_range("set_segment_", start, end, n)
-        self.table._seg[:, start:end] = check_int("set_segment_ label", label)
+        label = check_int("set_segment_ label", label)
+        if not SEGMENT_RANGE[0] <= label <= SEGMENT_RANGE[1]:
+            fail("set_segment_ label", f"an int32 label in [{SEGMENT_RANGE[0]}, {SEGMENT_RANGE[1]}]", label)
+        if end > start:
+            self.table._seg[:, start:end] = label
         return self
 
     def append_raw_(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor | Sequence[int],
-                    segment: int = 0) -> "PositionedKV":
+                    segment: int = 0, visible: torch.Tensor | None = None) -> "PositionedKV":
         """Append precomputed slots: kv[layer] = (raw_keys [B|1, H, S, D], values [B|1, H, S, D]) placed at
-        `positions` ([S] or [B, S]). Keys are rotated once from raw. This is how stored chunks enter a cache."""
-        if len(kv) != len(self.layers):
-            fail("append_raw_ kv", f"one (raw_keys, values) pair per layer ({len(self.layers)})", len(kv))
+        `positions` ([S] or [B, S]). Keys are rotated once from raw. This is how stored chunks enter a cache.
+
+        Keys and values must be floating tensors of the cache's dtype (the first append sets it); `segment` labels
+        the new slots (an int, or [B, S] int32), `visible` [B, S] bool (default all visible)."""
         n = self._check_idle("append_raw_")
-        k0 = kv[0][0]
-        if k0.dim() != 4:
-            fail("append_raw_ kv[0] raw_keys", "[B, H, S, D]", tuple(k0.shape))
-        S = k0.shape[2]
-        B = self.table.batch_size if self.table.batch_size > 0 else k0.shape[0]
-        for i, ((k, v), l) in enumerate(zip(kv, self.layers)):
-            if k.dim() != 4 or v.dim() != 4 or k.shape[2] != S or v.shape[2] != S or k.shape[0] not in (1, B):
-                fail(f"append_raw_ kv[{i}]", f"raw_keys/values [B={B}, H, S={S}, D]",
-                     f"{tuple(k.shape)} / {tuple(v.shape)}")
-            if l.rot_k is not None and (k.shape[1] != l.rot_k.shape[1] or k.shape[3] != l.rot_k.shape[3]):
-                fail(f"append_raw_ kv[{i}]", f"H={l.rot_k.shape[1]}, D={l.rot_k.shape[3]}", tuple(k.shape))
-            if k.shape[-1] != l.spec.head_dim:
-                fail(f"append_raw_ kv[{i}]", f"head_dim {l.spec.head_dim}", tuple(k.shape))
-        dev = k0.device if self.table._pos is None else self.table._pos.device
+        B, S = self._check_raw_kv("append_raw_ kv", kv)
+        dev = kv[0][0].device if self.table._pos is None else self.table._pos.device
         pos = as_positions("append_raw_ positions", positions, B, S, dev)
-        self._check_spec_limits(pos, "append_raw_ positions")
-        # validated: from here on nothing can fail except allocation
+        self._check_new_positions(pos, "append_raw_ positions")
+        if isinstance(segment, torch.Tensor):
+            segment = segment.to(torch.int32)
+        else:
+            segment = check_int("append_raw_ segment", segment)
+            if not SEGMENT_RANGE[0] <= segment <= SEGMENT_RANGE[1]:
+                fail("append_raw_ segment", "an int32 label", segment)
+        if S == 0:
+            return self
+        # validated: from here on nothing can fail except allocation, which is all-or-nothing per buffer set
+        self._reserve_all(n + S, [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in kv])
+        self.table.reserve(B, n + S, pos.device)
         sl = slice(n, n + S)
         for l, (k, v) in zip(self.layers, kv):
-            like = k.expand(B, -1, -1, -1)
-            if l.rot_k is None:
-                l.reserve(like, v.expand(B, -1, -1, -1), n + S)
-            else:
-                l.reserve(l.rot_k[:, :, :0], l.v[:, :, :0], n + S)
             l.raw_k[:, :, sl] = k
             l.v[:, :, sl] = v
-        for spec, idx in self._specs().values():
+        for spec, idx in self._groups().values():
             layers = [self.layers[i] for i in idx]
             cos, sin = cos_sin(pos, spec, device=layers[0].rot_k.device)
             _apply_many([l.raw_k[:, :, sl] for l in layers], [l.rot_k[:, :, sl] for l in layers],
                         cos[:, None], sin[:, None], spec)
         for l in self.layers:
             l.n = n + S
-        self.table.append(pos, segment=segment)
+        self.table.append(pos, visible=visible, segment=segment)
         return self
+
+    def _check_raw_kv(self, what: str, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+        """Validate per-layer (raw_keys, values) against this cache; returns (B, S)."""
+        if isinstance(kv, (str, bytes)) or not hasattr(kv, "__len__") or len(kv) != len(self.layers):
+            fail(what, f"one (raw_keys, values) pair per layer ({len(self.layers)})",
+                 len(kv) if hasattr(kv, "__len__") else type(kv).__name__)
+        B0 = self.table.batch_size
+        shape0, dtype0 = None, self.dtype
+        for i, (pair, l) in enumerate(zip(kv, self.layers)):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(t, torch.Tensor)
+                                                                                  for t in pair):
+                fail(f"{what}[{i}]", "a (raw_keys, values) pair of tensors", type(pair).__name__, exc=TypeError)
+            k, v = pair
+            if not k.is_floating_point() or not v.is_floating_point():
+                fail(f"{what}[{i}]", "floating keys and values", f"{k.dtype} / {v.dtype}", exc=TypeError)
+            want = dtype0 if dtype0 is not None else k.dtype
+            if k.dtype != want or v.dtype != want:
+                fail(f"{what}[{i}]", f"keys and values in {want} (the cache's dtype)", f"{k.dtype} / {v.dtype}",
+                     "convert them first (.to(dtype)); kvpos never casts silently")
+            dtype0 = want
+            if k.dim() != 4 or v.dim() != 4:
+                fail(f"{what}[{i}]", "[B, H, S, D] raw keys and values", f"{tuple(k.shape)} / {tuple(v.shape)}")
+            shape0 = shape0 or tuple(k.shape)
+            B = B0 if B0 > 0 else max(shape0[0], 1)
+            H = l.rot_k.shape[1] if l.rot_k is not None else shape0[1]
+            if k.shape[0] not in (1, B) or k.shape[1] != H or k.shape[2] != shape0[2] or k.shape[3] != l.spec.head_dim:
+                fail(f"{what}[{i}] raw_keys", f"[B={B}|1, H={H}, S={shape0[2]}, D={l.spec.head_dim}]",
+                     tuple(k.shape))
+            Dv = l.v.shape[3] if l.v is not None else k.shape[3]
+            if tuple(v.shape) != (k.shape[0], H, shape0[2], Dv):
+                fail(f"{what}[{i}] values", f"[{k.shape[0]}, H={H}, S={shape0[2]}, Dv={Dv}]", tuple(v.shape))
+            if l.rot_k is not None and k.device != l.rot_k.device:
+                fail(f"{what}[{i}]", f"tensors on {l.rot_k.device}", str(k.device))
+        B = B0 if B0 > 0 else max(shape0[0], 1)
+        return B, shape0[2]
+
+    def _reserve_all(self, need: int, like: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Grow every layer to `need` slots; if any allocation fails, no layer changes (all-or-nothing)."""
+        before = [(l.rot_k, l.raw_k, l.v) for l in self.layers]
+        try:
+            for l, (k, v) in zip(self.layers, like):
+                if l.rot_k is None:
+                    l.reserve(k, v, need)
+                else:
+                    l.reserve(l.rot_k[:, :, :0], l.v[:, :, :0], need)
+        except BaseException:
+            for l, (rot, raw, v) in zip(self.layers, before):
+                l.rot_k, l.raw_k, l.v = rot, raw, v
+            raise
 
     def reserve_(self, slots: int) -> "PositionedKV":
         """Grow every buffer to hold at least `slots` slots (avoids regrowth while composing a large cache)."""
         slots = check_int("reserve_ slots", slots)
-        for l in self.layers:
-            if l.rot_k is not None:
-                l.reserve(l.rot_k[:, :, :0], l.v[:, :, :0], slots)
+        if slots < 0:
+            fail("reserve_ slots", "an int >= 0", slots)
+        self._check_idle("reserve_")
+        if self.layers[0].rot_k is not None:
+            self._reserve_all(slots, [(l.rot_k[:, :, :0], l.v[:, :, :0]) for l in self.layers])
         if self.table._pos is not None:
-            self.table._reserve(self.table.batch_size, slots, self.table._pos.device)
+            self.table.reserve(self.table.batch_size, slots, self.table._pos.device)
         return self
 
-    # -- transformers generate protocol (batch / beam / assisted decoding) -----------------------------------------
-    def crop(self, max_length: int) -> None:
-        """Drop slots from the end: crop(-k) removes k slots, crop(0) does nothing, crop(n > 0) keeps the first n
-        (the legacy transformers meaning)."""
-        n = self.table.n
-        max_length = check_int("crop max_length", max_length)
-        if max_length == 0:
-            return
-        keep = n + max_length if max_length < 0 else min(max_length, n)
-        if keep < 0:
-            fail("crop", f"at most {n} slots removed", -max_length)
+    # -- structure -------------------------------------------------------------------------------------------------
+    def empty_like(self) -> "PositionedKV":
+        """A new empty cache of the same type with the same RoPE specs (subclasses carry their own settings)."""
+        return type(self)(self.specs, self.raw_dtype)
+
+    def copy(self, headroom: int = 0) -> "PositionedKV":
+        """Deep copy of the valid slots (plus `headroom` free slots of capacity), not the source's whole capacity."""
+        n = self._check_idle("copy")
+        new = self.empty_like()
+        for a, b in zip(self.layers, new.layers):
+            if a.rot_k is not None:
+                b.rot_k, b.raw_k, b.v = _regrow([a.rot_k, a.raw_k, a.v], 2, max(n + headroom, 1), n)
+            b.n = a.n
+        new.table = self.table.copy(headroom)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> "PositionedKV":
+        return self.copy()
+
+    def append_from_(self, other: "PositionedKV", start: int = 0, end: int | None = None,
+                     positions: torch.Tensor | Sequence[int] | None = None, segment: int | None = None
+                     ) -> "PositionedKV":
+        """Append slots [start, end) of `other` (raw keys re-rotated), at `positions` ([S] / [B, S]) or at their
+        own; visibility travels with them, labels too unless `segment` is given. `other` is only read."""
+        _common_specs("append_from_", [self, other])
+        m = other._check_idle("append_from_ other")
+        end = m if end is None else end
+        start, end = check_range("append_from_", start, end, m)
+        if end == start:
+            return self
+        pos = other.table.pos[:, start:end] if positions is None else positions
+        seg = other.table.segment[:, start:end] if segment is None else segment
+        return self.append_raw_([(l.raw_k[:, :, start:end], l.v[:, :, start:end]) for l in other.layers], pos,
+                                segment=seg, visible=other.table.visible[:, start:end])
+
+    @classmethod
+    def concat(cls, caches: Sequence["PositionedKV"]) -> "PositionedKV":
+        """A new cache holding the slots of `caches` one after the other, each at its own positions."""
+        if isinstance(caches, PositionedKV) or not caches:
+            fail("concat caches", "a non-empty list of caches", "a cache" if caches else "an empty list")
+        _common_specs("concat", caches)
+        total = sum(c.num_slots for c in caches)
+        out = caches[0].copy(headroom=total - caches[0].num_slots)
+        for c in caches[1:]:
+            out.append_from_(c)
+        return out
+
+    @classmethod
+    def from_rotated(cls, specs: Sequence[RopeSpec], kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     positions: torch.Tensor | Sequence[int] | None = None, raw_dtype: torch.dtype | None = None,
+                     **kw) -> "PositionedKV":
+        """A cache from rotated keys and values per layer ([B, H, T, D] each) at `positions` (default 0..T-1): the
+        rotated keys are kept as they are, raw keys come from one un-rotation. The inputs are not modified."""
+        out = cls(specs, raw_dtype, **kw)
+        if len(kv) != len(out.layers):
+            fail("from_rotated kv", f"{len(out.layers)} layers", len(kv))
+        if not kv or kv[0][0].shape[2] == 0:
+            return out
+        k0 = kv[0][0]
+        B, T = k0.shape[0], k0.shape[2]
+        pos = as_positions("from_rotated positions", torch.arange(T) if positions is None else positions, B, T,
+                           k0.device)
+        for i, (k, v) in enumerate(kv):
+            if k.shape[2] != T:
+                fail(f"from_rotated layer {i}", f"{T} cached keys (sliding-window layers keep fewer)", k.shape[2])
+            out.write_rotated_(i, k, v, pos)
+        return out
+
+    # -- batch rows and cropping (what generate-style loops need) ------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop `-tokens_to_remove` slots from the end (all of them if that is more than T); 0 does nothing. A
+        positive count is refused, as transformers' DynamicCache refuses it (use keep_ or delete_ instead)."""
+        n = self._check_idle("crop")
+        k = check_int("crop tokens_to_remove", tokens_to_remove)
+        if k > 0:
+            fail("crop tokens_to_remove", "a negative count of slots to remove from the end (or 0)", k,
+                 "to keep the first n slots use delete_(n, num_slots)")
+        keep = max(0, n + k)
         for l in self.layers:
-            l.n = min(l.n, keep)
-        self.table.truncate(min(self.table.n, keep))
+            l.n = keep
+        self.table.truncate(keep)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder batch rows for beam search."""
-        self._select_rows(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(torch.as_tensor(indices, dtype=torch.long))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.table.batch_size > 0:
-            self._select_rows(torch.arange(self.table.batch_size).repeat_interleave(repeats))
-
-    def _select_rows(self, rows: torch.Tensor) -> None:
-        if self.table._pos is None:
+    def reorder_rows_(self, rows: torch.Tensor | Sequence[int]) -> None:
+        """Batch rows become `rows` (1-D indices into the current rows; repeats allowed): beam reordering,
+        repetition, selection."""
+        self._check_idle("reorder_rows_")
+        if self.table.batch_size < 0:
             return
+        idx = torch.as_tensor(rows)
+        if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
+            fail("rows", "a non-empty 1-D integer index", f"{tuple(idx.shape)} {idx.dtype}")
+        idx = idx.long()
+        B = self.table.batch_size
+        if int(idx.min()) < 0 or int(idx.max()) >= B:
+            fail("rows", f"indices in [0, {B})", f"min {int(idx.min())}, max {int(idx.max())}")
         for l in self.layers:
-            l.select_rows_(rows)
-        self.table.select_rows_(rows)
+            l.select_rows_(idx)
+        self.table.select_rows_(idx)
 
     def reset(self) -> None:
+        """Drop every slot (the RoPE specs stay)."""
+        self._forward = None
         for l in self.layers:
             l.clear()
         self.table = SlotTable()
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layers={len(self.layers)}, batch={self.table.batch_size}, "
+                f"slots={self.table.n}, bytes={self.nbytes()})")
 
-def _common_specs(caches: Iterable[PositionedKV]) -> None:
+
+def _common_specs(op: str, caches: Iterable[PositionedKV]) -> None:
+    """Refuse to mix caches of different layer counts, RoPE specs or dtypes."""
     caches = list(caches)
     ref = caches[0]
-    for j, c in enumerate(caches[1:], 1):
+    for j, c in enumerate(caches):
+        if not isinstance(c, PositionedKV):
+            fail(f"{op} caches[{j}]", "a PositionedKV", type(c).__name__, exc=TypeError)
         if len(c.layers) != len(ref.layers):
-            fail(f"concat caches[{j}]", f"{len(ref.layers)} layers", len(c.layers))
+            fail(f"{op} caches[{j}]", f"{len(ref.layers)} layers", len(c.layers))
         for i, (a, b) in enumerate(zip(ref.layers, c.layers)):
             if a.spec.key() != b.spec.key():
-                fail(f"concat caches[{j}] layer {i}", "the same RoPE spec as caches[0]", b.spec.describe())
+                fail(f"{op} caches[{j}] layer {i}", "the same RoPE spec as caches[0]", b.spec.describe())
+        if ref.dtype is not None and c.dtype is not None and c.dtype != ref.dtype:
+            fail(f"{op} caches[{j}]", f"keys in {ref.dtype} like caches[0]", c.dtype,
+                 "convert one of them first; kvpos never casts silently")

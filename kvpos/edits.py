@@ -1,4 +1,5 @@
-"""Edits of a token sequence as data: Insert / Delete / Replace, validation, token diffs, and the position plan.
+"""Edits of a token sequence as data: Insert / Delete / Replace, validation, token diffs, the position plan, and the
+grammar of edit strategies.
 
 Pure Python + torch; the model-running session lives in kvpos.integrations.pie.
 
@@ -9,16 +10,18 @@ Pure Python + torch; the model-running session lives in kvpos.integrations.pie.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from ._checks import check_int, fail
 
 __all__ = ["Insert", "Delete", "Replace", "Edit", "normalize", "apply_edits", "diff_tokens", "widen", "with_tail",
-           "plan", "Piece"]
+           "plan", "Piece", "stale_slots", "Strategy", "BASES", "REPAIRS"]
 
 
 def _ids_list(what: str, ids: Iterable[int]) -> tuple[int, ...]:
@@ -61,7 +64,7 @@ def Delete(start: int, end: int) -> Replace:  # noqa: N802
     return Replace(start, end, ())
 
 
-Edit = Union[Replace]
+Edit = Replace   # the one edit type; Insert and Delete build Replace values
 
 
 def normalize(edits: Sequence[Replace] | Replace, n: int) -> list[Replace]:
@@ -172,3 +175,118 @@ def plan(n: int, edits: Sequence[Replace]) -> list[Piece]:
     if prev < n:
         pieces.append(Piece("keep", pos, n - prev, old_start=prev))
     return pieces
+
+
+def stale_slots(pieces: Sequence[Piece]) -> torch.Tensor:
+    """Slots (= new document indices) whose KV may be stale after a PIE splice: everything from the first kept token
+    that follows an edit on (later edits' new tokens included: they attended to stale slots). [S] int64, ascending."""
+    after = [p.new_start for p in pieces if p.kind == "keep" and p.old_start > 0]
+    n = pieces[-1].new_start + pieces[-1].length if pieces else 0
+    return torch.arange(min(after), n) if after else torch.zeros(0, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# edit strategies as data: one grammar for the session, the benchmarks and the command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+BASES = ("full", "pie", "naive")
+REPAIRS = ("blend", "attn")
+_GRAMMAR = re.compile(r"(?P<base>full|naive|pie)(?:\+k(?P<k>\d+)?)?(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?"
+                      r"(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?")
+_HELP = ("full | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] (P = percent of the stale "
+         "tokens, e.g. pie+k64+tail512, pie+attn25+probe32)")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How an edit updates the cache.
+
+    base: "full" (re-encode the whole edited document), "pie" (keep untouched segments, move them by their shift,
+        encode only the new tokens), "naive" (conflict-fast reuse: splice without fixing positions).
+    k: pie also re-encodes the k untouched tokens after every edit.
+    repair: None, "blend" (CacheBlend over the stale tokens: layers 0-1 refreshed for all, the `ratio` whose layer-1
+        values moved most carried through every layer) or "attn" (the document's last `probe` tokens pick, by their
+        attention, the `ratio` of stale tokens to re-encode).
+    tail: also re-encode the last `tail` tokens of the document.
+
+    Strategy.parse("pie+k64+tail512"); str(strategy) gives the canonical spec back. `check(layer_types)` refuses
+    what a model cannot do."""
+
+    base: str = "pie"
+    k: int = 0
+    repair: str | None = None
+    ratio: float = 0.0
+    probe: int = 16
+    tail: int = 0
+
+    def __post_init__(self) -> None:
+        if self.base not in BASES:
+            fail("strategy", f"one of {BASES} as base ({_HELP})", repr(self.base))
+        for what in ("k", "probe", "tail"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what == "probe" else 0):
+                fail(f"strategy {what}", "an int >= 1" if what == "probe" else "an int >= 0", v)
+        if self.repair not in (None, *REPAIRS):
+            fail("strategy repair", f"None or one of {REPAIRS}", repr(self.repair))
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
+            fail("strategy ratio", "a fraction in [0, 1]", r)
+        object.__setattr__(self, "ratio", float(r))
+        if self.base != "pie" and (self.k or self.repair):
+            fail(f"strategy {self.base}", "no +k or repair (they refine pie)", str(self._raw()))
+        if self.base == "full" and self.tail:
+            fail("strategy full", "no +tail (full re-encodes everything)", f"tail={self.tail}")
+
+    def _raw(self) -> str:
+        return f"{self.base} k={self.k} repair={self.repair} ratio={self.ratio} probe={self.probe} tail={self.tail}"
+
+    @classmethod
+    def parse(cls, spec: "str | Strategy", **overrides: Any) -> "Strategy":
+        """A Strategy from a spec string (or a Strategy), with keyword overrides of its fields.
+
+        A bare "+k" means k=8, a bare "+blend" / "+attn" means 10% of the stale tokens."""
+        if isinstance(spec, Strategy):
+            return dataclasses.replace(spec, **overrides) if overrides else spec
+        if not isinstance(spec, str):
+            fail("strategy", f"a spec string ({_HELP}) or a Strategy", type(spec).__name__, exc=TypeError)
+        m = _GRAMMAR.fullmatch(spec.strip())
+        if m is None or (m["probe"] and m["repair"] != "attn"):
+            fail("strategy", _HELP, repr(spec))
+        kw: dict[str, Any] = {"base": m["base"]}
+        if "+k" in spec:
+            kw["k"] = int(m["k"]) if m["k"] else 8
+        if m["repair"]:
+            pct = int(m["pct"]) if m["pct"] else 10
+            if m["pct"] and not 0 < pct <= 100:
+                fail("strategy", f"a percent in 1..100 after +{m['repair']}", repr(spec))
+            kw["repair"], kw["ratio"] = m["repair"], pct / 100
+        if m["probe"]:
+            kw["probe"] = int(m["probe"])
+        if m["tail"]:
+            kw["tail"] = int(m["tail"])
+        bad = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if bad:
+            fail("strategy overrides", f"fields of Strategy {[f.name for f in dataclasses.fields(cls)]}", bad,
+                 exc=TypeError)
+        return cls(**{**kw, **overrides})
+
+    def __str__(self) -> str:
+        out = self.base
+        if self.k:
+            out += f"+k{self.k}"
+        if self.repair:
+            out += f"+{self.repair}{round(100 * self.ratio)}"
+            if self.repair == "attn" and self.probe != 16:
+                out += f"+probe{self.probe}"
+        if self.tail:
+            out += f"+tail{self.tail}"
+        return out
+
+    def check(self, layer_types: Sequence[str] = ()) -> "Strategy":
+        """Refuse what a model with these layer types cannot do: the repairs re-encode chosen tokens in one forward
+        under one 4-D mask, which cannot express sliding-window layers. Returns self."""
+        sliding = sorted({t for t in layer_types if t != "full_attention"})
+        if self.repair and sliding:
+            fail(f"strategy {self}", "a model with full-attention layers only (one 4-D mask per forward)",
+                 f"layer types {sliding}", "use pie+k<K> / +tail<T> on sliding-window models")
+        return self

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,9 +41,9 @@ class RopeLayout(str, enum.Enum):
 
 
 # transformers model types whose rotate_half pairs adjacent dims (x[..., ::2], x[..., 1::2])
-_INTERLEAVED_MODEL_TYPES = {"cohere", "cohere2", "glm", "glm4", "glm4_moe", "gptj", "codegen"}
+_INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "glm", "glm4", "glm4_moe", "gptj", "codegen"})
 # rope types whose frequencies do not depend on the sequence length: a key re-rotated anywhere is exact
-_STATIC_ROPE_TYPES = {"default", "linear", "yarn", "llama3", "proportional"}
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +68,6 @@ class RopeSpec:
     rope_type: str = "default"
     max_exact_position: int | None = None
     angle_dtype: torch.dtype = torch.float32
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inv_freq, torch.Tensor) or self.inv_freq.dim() != 1:

@@ -5,7 +5,7 @@ Letters: L layers · H kv heads · S chunk tokens · D head_dim.
 An entry holds, for one chunk of token ids encoded after an anchor prefix:
 
     ids    [S]           int64 token ids (the content)
-    keys   [L, H, S, D]  raw (unrotated) keys, model dtype
+    raw_keys [L, H, S, D]  keys before RoPE, model dtype (stored under the tensor name "keys")
     values [L, H, S, D]  values
     start  int           the position of the chunk's first token when it was encoded (= anchor length)
     fingerprint          model config, weights identity, dtype, anchor ids, RoPE, kvpos format version
@@ -139,35 +139,45 @@ def model_fingerprint(model: torch.nn.Module, anchor_ids: torch.Tensor, specs: I
 
 @dataclass
 class ChunkKV:
-    """One chunk's KV: ids [S], keys/values [L, H, S, D] (raw keys), encoded at positions start..start+S-1."""
+    """One chunk's KV: ids [S], raw_keys / values [L, H, S, D] (keys before RoPE), encoded at positions
+    start..start+S-1."""
 
     ids: torch.Tensor
-    keys: torch.Tensor
+    raw_keys: torch.Tensor
     values: torch.Tensor
     start: int
     fingerprint: Fingerprint
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.keys.dim() != 4:
-            fail("ChunkKV.keys", "[L, H, S, D]", tuple(self.keys.shape))
-        if self.values.dim() != 4 or self.values.shape[:3] != self.keys.shape[:3]:
-            fail("ChunkKV.values", f"[L, H, S, D] with L, H, S of keys {tuple(self.keys.shape)}",
+        if self.raw_keys.dim() != 4:
+            fail("ChunkKV.raw_keys", "[L, H, S, D]", tuple(self.raw_keys.shape))
+        if self.values.dim() != 4 or self.values.shape[:3] != self.raw_keys.shape[:3]:
+            fail("ChunkKV.values", f"[L, H, S, D] with L, H, S of keys {tuple(self.raw_keys.shape)}",
                  tuple(self.values.shape))
-        if self.ids.dim() != 1 or self.ids.numel() != self.keys.shape[-2]:
-            fail("ChunkKV.ids", f"[S]={self.keys.shape[-2]} token ids", tuple(self.ids.shape))
+        if self.ids.dim() != 1 or self.ids.numel() != self.raw_keys.shape[-2]:
+            fail("ChunkKV.ids", f"[S]={self.raw_keys.shape[-2]} token ids", tuple(self.ids.shape))
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.numel())
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.keys, self.values))
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.raw_keys, self.values))
+
+    @classmethod
+    def from_raw_kv(cls, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+                    fingerprint: "Fingerprint", meta: dict | None = None) -> "ChunkKV":
+        """A chunk from per-layer (raw_keys [1, H, S, D], values [1, H, S, D]), e.g. PositionedKV.raw_kv(a, b)."""
+        keys = torch.stack([k[0] for k, _ in kv]).contiguous()
+        values = torch.stack([v[0] for _, v in kv]).contiguous()
+        return cls(torch.as_tensor(ids, dtype=torch.long).flatten().clone(), keys, values, start, fingerprint,
+                   dict(meta or {}))
 
     def layer_kv(self, start: int = 0, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (raw_keys [1, H, s, D], values [1, H, s, D]) of tokens [start, end): views, no copy."""
         end = self.num_tokens if end is None else end
-        return [(self.keys[i, None, :, start:end], self.values[i, None, :, start:end]) for i in range(self.keys.shape[0])]
+        return [(self.raw_keys[i, None, :, start:end], self.values[i, None, :, start:end]) for i in range(self.raw_keys.shape[0])]
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -183,7 +193,7 @@ def serialize(chunk: ChunkKV) -> bytes:
     """One safetensors blob: tensors + metadata (fingerprint, start, checksum, format). No pickle anywhere."""
     from safetensors.torch import save
 
-    tensors = {"ids": chunk.ids.contiguous(), "keys": chunk.keys.contiguous(), "values": chunk.values.contiguous()}
+    tensors = {"ids": chunk.ids.contiguous(), "keys": chunk.raw_keys.contiguous(), "values": chunk.values.contiguous()}
     meta = {"format": str(FORMAT_VERSION), "start": str(int(chunk.start)), "fingerprint": chunk.fingerprint.to_json(),
             "checksum": _checksum(tensors), "meta": json.dumps(chunk.meta)}
     return save(tensors, metadata=meta)
@@ -259,7 +269,7 @@ class MemoryBackend:
         size = chunk.nbytes()
         if size > self.max_bytes:
             return False
-        stored = ChunkKV(chunk.ids.clone(), chunk.keys.clone(), chunk.values.clone(), chunk.start, chunk.fingerprint,
+        stored = ChunkKV(chunk.ids.clone(), chunk.raw_keys.clone(), chunk.values.clone(), chunk.start, chunk.fingerprint,
                          dict(chunk.meta))
         with self._lock:
             if key in self._d:

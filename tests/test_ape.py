@@ -4,14 +4,26 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvpos.integrations import ape
-from kvpos.integrations.ape import (NAME, ApeCalibration, ape_attend, ape_extend, ape_generate,
-                                    block_diagonal_allowed, calibrate_ape, encode_chunks_batched, use_ape)
-from kvpos.integrations.compose import ChunkCache, encode_chunk
+from kvpos import ape
+from kvpos.ape import ape_attend
+from kvpos.compose import block_diagonal_allowed
+from kvpos.integrations.ape import ApeCalibration, calibrate_ape, encode_chunks_batched, use_ape
+from kvpos.integrations.hf import NAME, current_binding
+from kvpos.integrations.compose import ChunkComposer, encode_chunk
 from kvpos.integrations.hf import extend, generate
 from kvpos.integrations.rag import PromptParts
-from kvpos.integrations.testing import tiny_model
+from kvpos.integrations.hf.testing import tiny_model
 from kvpos.reference import ape_merge_ref
+
+
+def ape_extend(model, cache, q, temperature=0.7, scale=1.0):
+    with use_ape(model, cache, temperature, scale):
+        return extend(model, cache, q)
+
+
+def ape_generate(model, cache, q, temperature=0.7, scale=1.0, **kw):
+    with use_ape(model, cache, temperature, scale):
+        return generate(model, cache, q, **kw)
 
 
 def _setup(arch="llama", n=4, seed=0):
@@ -23,7 +35,10 @@ def _setup(arch="llama", n=4, seed=0):
     return model, anchor, chunks, q
 
 
-def test_backend_and_mask_function_are_both_registered():
+def test_backend_and_mask_function_are_both_registered_on_first_use():
+    model, anchor, chunks, q = _setup()
+    cache, _ = ChunkComposer(model, anchor).compose(chunks, layout="parallel")
+    ape_extend(model, cache, q)
     assert NAME in AttentionInterface._global_mapping
     assert NAME in AttentionMaskInterface._global_mapping   # without it transformers passes attention_mask=None
 
@@ -31,13 +46,15 @@ def test_backend_and_mask_function_are_both_registered():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "phi3"])
 def test_t_s_one_equals_plain_parallel_attention(arch):
     model, anchor, chunks, q = _setup(arch)
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     plain_cache, _ = cc.compose(chunks, layout="parallel")
     plain = extend(model, plain_cache, q)
     ape_cache, _ = cc.compose(chunks, layout="parallel")
     got = ape_extend(model, ape_cache, q, temperature=1.0, scale=1.0)
     assert (got - plain).abs().max() < 1e-5
-    assert model.config._attn_implementation == "sdpa"   # restored
+    assert model.config._attn_implementation == NAME and current_binding() is None   # scope closed
+    again = extend(model, cc.compose(chunks, layout="parallel")[0], q)       # outside a scope "kvpos" IS sdpa
+    assert torch.equal(again, plain)
     changed = ape_extend(model, cc.compose(chunks, layout="parallel")[0], q, temperature=0.6, scale=0.8)
     assert (changed - plain).abs().max() > 1e-2         # the knobs do something
 
@@ -86,14 +103,14 @@ def test_batched_chunk_prefill_equals_per_chunk_prefill(arch):
     model, anchor, chunks, q = _setup(arch, n=5)
     if arch == "gemma3":   # the default tiny window (8) is shorter than anchor + chunk: refused, with the reason
         with pytest.raises(ValueError, match="encode_chunks_batched: expected anchor \\+ longest chunk <= sliding"):
-            encode_chunks_batched(model, ChunkCache(model, anchor).anchor, chunks, None)
+            encode_chunks_batched(model, ChunkComposer(model, anchor).anchor, chunks, None)
         model = tiny_model(arch, sliding_window=64)[0]
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     batched = encode_chunks_batched(model, cc.anchor, chunks, cc.fingerprint)
     for c, b in zip(chunks, batched):
         one = encode_chunk(model, cc.anchor, c, cc.fingerprint)
         assert torch.equal(one.ids, b.ids)
-        assert (one.keys - b.keys).abs().max() < 1e-5 and (one.values - b.values).abs().max() < 1e-5
+        assert (one.raw_keys - b.raw_keys).abs().max() < 1e-5 and (one.values - b.values).abs().max() < 1e-5
 
 
 def test_block_diagonal_mask_matches_a_loop_reference():
@@ -111,24 +128,24 @@ def test_block_diagonal_mask_matches_a_loop_reference():
 
 def test_parameters_pass_through_generate():
     model, anchor, chunks, q = _setup()
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     cache, _ = cc.compose(chunks, layout="parallel")
     out = ape_generate(model, cache, q, temperature=0.8, scale=0.9, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 9)
-    assert cache.ape is None and model.config._attn_implementation == "sdpa"
-    # plain generate with APE knobs as kwargs is refused by transformers: the side channel is the supported path
+    assert current_binding() is None
+    # plain generate with APE knobs as kwargs is refused by transformers: the scoped binding is the supported path
     with pytest.raises(ValueError, match="model_kwargs. are not used"):
         model.generate(q, max_new_tokens=2, ape_temperature=0.8)
 
 
 def test_ape_argument_errors():
     model, anchor, chunks, q = _setup()
-    cache, _ = ChunkCache(model, anchor).compose(chunks, layout="parallel")
+    cache, _ = ChunkComposer(model, anchor).compose(chunks, layout="parallel")
     with pytest.raises(ValueError, match="APE temperature: expected a finite float > 0, got 0"):
         ape_extend(model, cache, q, temperature=0)
     with pytest.raises(ValueError, match="APE scale: expected a finite float > 0, got nan"):
         ape_extend(model, cache, q, scale=float("nan"))
-    with pytest.raises(TypeError, match="use_ape cache: expected a PositionedCache"):
+    with pytest.raises(TypeError, match="ApeBackend cache: expected a PositionedCache"):
         with use_ape(model, object()):
             pass
 
@@ -141,13 +158,13 @@ def test_xformers_path_equals_torch_path_on_cuda():
     ctx = torch.zeros(1, 300, dtype=torch.bool, device="cuda")
     ctx[:, 10:250] = True
     allowed = torch.ones(1, 1, 5, 300, dtype=torch.bool, device="cuda")
-    a = ape._ape_xformers(q, k, v, allowed, ctx, 0.125, 0.8, 0.9)
+    a = ape.ape_attend_xformers(q, k, v, allowed, ctx, 0.125, 0.8, 0.9)
     b = ape_attend(q, k, v, allowed, ctx, 0.125, 0.8, 0.9)
     assert (a.float() - b.float()).abs().max() < 2e-2
     T, S = torch.linspace(0.5, 1.2, 6, device="cuda"), torch.linspace(0.7, 1.1, 6, device="cuda")   # per head
     qc = torch.zeros(1, 5, dtype=torch.bool, device="cuda")
     qc[:, 2] = True
-    a = ape._ape_xformers(q, k, v, allowed, ctx, 0.125, T, S, q_is_ctx=qc)
+    a = ape.ape_attend_xformers(q, k, v, allowed, ctx, 0.125, T, S, q_is_ctx=qc)
     b = ape_attend(q, k, v, allowed, ctx, 0.125, T, S, q_is_ctx=qc)
     assert (a.float() - b.float()).abs().max() < 2e-2
 
@@ -175,7 +192,7 @@ def test_per_head_knobs_equal_the_float64_reference_head_by_head(seed):
 
 def test_per_layer_head_tensor_equals_the_same_float_in_a_model():
     model, anchor, chunks, q = _setup("qwen2")
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     L, Hq = model.config.num_hidden_layers, model.config.num_attention_heads
     a = ape_extend(model, cc.compose(chunks, layout="parallel")[0], q, temperature=0.6, scale=0.8)
     b = ape_extend(model, cc.compose(chunks, layout="parallel")[0], q, temperature=torch.full((L, Hq), 0.6),
@@ -200,7 +217,7 @@ def _prompts(anchor, n_chunks, n=3, seed=1):
 def test_calibration_with_one_chunk_finds_t_s_one():
     # one chunk: parallel encoding IS full prefill, so the fitted knobs must be exactly 1 (a grid point)
     model, anchor, _, _ = _setup("llama")
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     cal = calibrate_ape(model, cc, _prompts(anchor, 1), progress=False)
     assert torch.equal(cal.temperature, torch.ones_like(cal.temperature))
     assert torch.equal(cal.scale, torch.ones_like(cal.scale))
@@ -209,7 +226,7 @@ def test_calibration_with_one_chunk_finds_t_s_one():
 
 def test_calibration_moves_parallel_entropy_toward_full_and_round_trips(tmp_path):
     model, anchor, _, _ = _setup("llama")
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     prompts = _prompts(anchor, 6)
     cal = calibrate_ape(model, cc, prompts, rounds=1, progress=False)
     L, Hq = model.config.num_hidden_layers, model.config.num_attention_heads

@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpos.integrations.hf import PositionedCache
-from kvpos.integrations.testing import TINY_ARCHS, tiny_model
+from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 
 
 def _ids(B=1, S=12, seed=1):

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from kvpos.integrations.compose import SEG_ANCHOR, SEG_CHUNK0, Anchor, ChunkCache, compose, encode_chunk
+from kvpos.integrations.compose import SEG_ANCHOR, SEG_CHUNK0, Anchor, ChunkComposer, compose, encode_chunk
 from kvpos.integrations.hf import PositionedCache, extend, forward_reference, generate
-from kvpos.integrations.testing import tiny_model
+from kvpos.integrations.hf.testing import tiny_model
 from kvpos.store import model_fingerprint
 
 
@@ -62,7 +62,7 @@ def test_compose_equals_block_masked_reference(arch, layout):
     over = {"sliding_window": 4096} if arch == "gemma3" else {}
     model = tiny_model(arch, **over)[0]
     _, anchor, chunks, q = _setup()
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     order = [2, 0, 1]
     cache, info = cc.compose([chunks[i] for i in order], layout=layout)
     got = extend(model, cache, q)
@@ -78,7 +78,7 @@ def test_compose_equals_block_masked_reference(arch, layout):
 
 def test_link_recompute_of_all_tokens_equals_full_prefill():
     model, anchor, chunks, q = _setup(n_chunks=4)
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     cache, info = cc.compose(chunks, layout="sequential", link_k=10 ** 6)
     got = extend(model, cache, q)
     full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits
@@ -90,7 +90,7 @@ def test_link_recompute_of_all_tokens_equals_full_prefill():
 def test_link_recompute_changes_only_the_link_tokens_and_improves_fidelity():
     model, anchor, chunks, q = _setup(n_chunks=4, seed=3)
     full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits[:, -4:]
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     errs = []
     for k in (0, 2, 4):
         cache, info = cc.compose(chunks, layout="sequential", link_k=k)
@@ -102,7 +102,7 @@ def test_link_recompute_changes_only_the_link_tokens_and_improves_fidelity():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_selective_recompute_of_everything_equals_full_prefill(arch):
     model, anchor, chunks, q = _setup(arch)
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     cache, info = cc.compose(chunks, layout="sequential", recompute_ratio=1.0)
     got = extend(model, cache, q)
     full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits
@@ -112,7 +112,7 @@ def test_selective_recompute_of_everything_equals_full_prefill(arch):
 def test_selective_recompute_partial_ratio_runs_and_lies_between():
     model, anchor, chunks, q = _setup(n_chunks=4, seed=2)
     full = model(torch.cat([anchor, *chunks, q[0]])[None]).logits[:, -4:]
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     errs = {}
     for r in (0.0, 0.5):
         cache, info = cc.compose(chunks, layout="sequential", recompute_ratio=r)
@@ -122,14 +122,14 @@ def test_selective_recompute_partial_ratio_runs_and_lies_between():
 
 def test_compose_errors():
     model, anchor, chunks, q = _setup()
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     with pytest.raises(ValueError, match="compose layout: expected 'sequential' or 'parallel', got 'diagonal'"):
         cc.compose(chunks, layout="diagonal")
     with pytest.raises(ValueError, match="compose link_k: expected 0 with layout='parallel'"):
         cc.compose(chunks, layout="parallel", link_k=2)
     with pytest.raises(ValueError, match=r"compose recompute_ratio: expected a fraction in \[0, 1\], got 1.5"):
         cc.compose(chunks, recompute_ratio=1.5)
-    with pytest.raises(ValueError, match="compose chunks: expected at least one ChunkKV"):
+    with pytest.raises(ValueError, match="compose chunks: expected at least one chunk"):
         compose(model, cc.anchor, [])
     other = Anchor.encode(model, anchor[:3])
     c = encode_chunk(model, other, chunks[0], model_fingerprint(model, anchor[:3]))
@@ -141,7 +141,7 @@ def test_compose_errors():
 
 def test_generate_after_compose_matches_reference_loop():
     model, anchor, chunks, q = _setup(n_chunks=2)
-    cc = ChunkCache(model, anchor)
+    cc = ChunkComposer(model, anchor)
     cache, _ = cc.compose(chunks, layout="sequential", link_k=100)
     out = generate(model, cache, q, max_new_tokens=6, do_sample=False)
     full = model.generate(torch.cat([anchor, *chunks, q[0]])[None], max_new_tokens=6, do_sample=False)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from kvpos import RopeLayout, RopeSpec
 from kvpos.reference import rotate_ref
 from kvpos.integrations.hf import PositionedCache, extend, generate
-from kvpos.integrations.testing import tiny_model
+from kvpos.integrations.hf.testing import tiny_model
 
 H, D, T0 = 2, 16, 24
 
@@ -126,27 +126,28 @@ def _same(a, b):
 @pytest.mark.parametrize("call,exc,match", [
     (lambda c: c.shift_(5, 3, 1), ValueError, r"shift_: expected 0 <= start <= end <= T=24, got start=5, end=3"),
     (lambda c: c.shift_(0, 25, 1), ValueError, r"shift_: expected 0 <= start <= end <= T=24"),
-    (lambda c: c.shift_(0, 4, -1), ValueError, r"shift_: expected positions >= 0 after the shift, got min -1"),
+    (lambda c: c.shift_(0, 4, -1), ValueError, r"shift_ \(delta=-1\): expected positions >= 0, got min -1"),
     (lambda c: c.shift_(0, 4, 1.5), TypeError, r"shift_ delta: expected an int"),
     (lambda c: c.shift_("a", 4, 1), TypeError, r"shift_ start: expected an int"),
-    (lambda c: c.set_positions_(0, 4, [1, 2, 3]), ValueError, r"set_positions_ positions: expected shape \[S\]=4"),
+    (lambda c: c.set_positions_(0, 4, [1, 2, 3]), ValueError, r"set_positions_ positions: expected 4 positions, shape \[S\]=4"),
     (lambda c: c.set_positions_(0, 2, torch.tensor([1.0, 2.0])), TypeError, r"expected integer positions"),
     (lambda c: c.set_positions_(0, 2, [-1, 2]), ValueError, r"expected positions >= 0, got min -1"),
     (lambda c: c.delete_(3, 30), ValueError, r"delete_: expected 0 <= start <= end <= T=24"),
     (lambda c: c.keep_([0, 0, 1]), ValueError, r"keep_ slots: expected distinct indices"),
     (lambda c: c.keep_([0, 99]), ValueError, r"keep_ slots: expected indices in \[0, 24\)"),
-    (lambda c: c.keep_([[0]]), ValueError, r"keep_ slots: expected a 1-D index list"),
+    (lambda c: c.keep_([[0]]), TypeError, r"keep_ slots\[0\]: expected an int slot index, got list"),
+    (lambda c: c.keep_(torch.ones(2, 2, dtype=torch.long)), ValueError, r"keep_ slots: expected a 1-D index list"),
     (lambda c: c.hide_(0, 99), ValueError, r"hide_: expected 0 <= start <= end <= T=24"),
     (lambda c: c.set_segment_(0, 2, "x"), TypeError, r"set_segment_ label: expected an int"),
     (lambda c: c.append_raw_([], [0]), ValueError, r"append_raw_ kv: expected one \(raw_keys, values\) pair per layer"),
     (lambda c: c.append_raw_([(torch.zeros(2, H, 3, D), torch.zeros(2, H, 3, D))] * 3, [0, 1]), ValueError,
-     r"append_raw_ positions: expected shape \[S\]=3"),
+     r"append_raw_ positions: expected 3 positions, shape \[S\]=3"),
     (lambda c: c.append_raw_([(torch.zeros(2, H, 3, D), torch.zeros(2, H, 2, D))] * 3, [0, 1, 2]), ValueError,
-     r"append_raw_ kv\[0\]: expected raw_keys/values"),
+     r"append_raw_ kv\[0\] values: expected \[2, H=2, S=3, Dv=16\], got \(2, 2, 2, 16\)"),
     (lambda c: c.append_raw_([(torch.zeros(2, 5, 3, D), torch.zeros(2, 5, 3, D))] * 3, [0, 1, 2]), ValueError,
-     r"append_raw_ kv\[0\]: expected H=2"),
+     r"append_raw_ kv\[0\] raw_keys: expected \[B=2\|1, H=2, S=3, D=16\], got \(2, 5, 3, 16\)"),
     (lambda c: c.raw_kv(4, 2), ValueError, r"raw_kv: expected 0 <= start <= end"),
-    (lambda c: c.crop(-30), ValueError, r"crop: expected at most 24 slots removed, got 30"),
+    (lambda c: c.crop(4), ValueError, r"crop tokens_to_remove: expected a negative count"),
 ])
 def test_errors_name_the_argument_and_leave_the_cache_unchanged(call, exc, match):
     cache, _ = _cache()
@@ -178,7 +179,7 @@ def test_positions_beyond_an_exact_range_are_refused_everywhere():
     out = model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == 25
     before = _snapshot(cache)
-    with pytest.raises(ValueError, match=r"shift_: expected positions < 64 for rope_type='dynamic'"):
+    with pytest.raises(ValueError, match=r"shift_ \(delta=60\): expected positions < 64 for rope_type='dynamic'"):
         cache.shift_(0, 10, 60)
     _same(before, _snapshot(cache))
     with pytest.raises(ValueError, match=r"positions < 64 for rope_type='dynamic'.*switches to other frequencies"):
@@ -198,7 +199,7 @@ def test_generate_and_extend_argument_errors():
         extend(model, cache, [1, 2, 3])
     with pytest.raises(ValueError, match=r"extend ids: expected token ids \[B, S\]"):
         extend(model, cache, torch.ones(2, 3))
-    with pytest.raises(ValueError, match="PositionedCache specs: expected one RopeSpec per layer"):
+    with pytest.raises(ValueError, match="PositionedCache specs: expected a non-empty list with one RopeSpec per layer"):
         PositionedCache([])
     with pytest.raises(TypeError, match=r"PositionedCache specs\[0\]: expected a RopeSpec"):
         PositionedCache(["x"])
@@ -227,9 +228,9 @@ def test_adapter_error_paths():
     cache = PositionedCache.from_model(model)
     # a forward whose layers receive different numbers of tokens is refused, not silently mis-recorded
     cache.layers[0].update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), kwargs={"position_ids": torch.arange(3)[None]})
-    with pytest.raises(ValueError, match="cache.update layer 1: expected at most 3 new slots"):
+    with pytest.raises(ValueError, match="write layer 1: expected 3 new slots after 0 .what earlier layers of this forward wrote., got 4"):
         cache.layers[1].update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                kwargs={"position_ids": torch.arange(4)[None]})
-    with pytest.raises(ValueError, match=r"cache.update layer 1: position_ids: expected 4 positions for 4 new keys"):
+    with pytest.raises(ValueError, match=r"cache.update layer 1: position_ids: expected \[B\|1, S\] = \[1\|1, 4\] for 4 new keys, got \(1, 3\)"):
         cache.layers[1].update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                kwargs={"position_ids": torch.arange(3)[None]})

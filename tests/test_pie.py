@@ -5,7 +5,7 @@ import torch
 from kvpos.edits import Delete, Insert, Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
 from kvpos.integrations.hf import PositionedCache, extend
 from kvpos.integrations.pie import EditSession, attention_mass
-from kvpos.integrations.testing import TINY_ARCHS, tiny_model
+from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 
 EDIT_SETS = {
     "insert": [Insert(7, [11, 12, 13])],
@@ -46,7 +46,7 @@ def test_deeper_models_layer0_keys_equal_full_and_naive_is_worse(arch):
     doc = _doc(1, 24)
     s = {m: EditSession(model, doc) for m in ("full", "pie", "naive", "pie+k")}
     for m, sess in s.items():
-        sess.apply(EDIT_SETS["multi"], m, k=100)
+        sess.apply(EDIT_SETS["multi"], "pie+k100" if m == "pie+k" else m)
     f0 = s["full"].cache.layers[0]
     p0 = s["pie"].cache.layers[0]
     assert (f0.keys - p0.keys).abs().max() < 1e-4 and (f0.values - p0.values).abs().max() < 1e-4
@@ -85,7 +85,7 @@ def test_failed_edits_leave_the_session_untouched():
         sess.apply([Delete(3, 6), Replace(5, 8, [1])])
     with pytest.raises(ValueError, match="edits: expected non-overlapping edits"):
         sess.apply([Insert(4, [1]), Insert(4, [2])])
-    with pytest.raises(ValueError, match="apply strategy: expected one of"):
+    with pytest.raises(ValueError, match="strategy: expected full . naive"):
         sess.apply([Insert(4, [1])], "fast")
     with pytest.raises(ValueError, match="edit: expected start <= end, got start=5, end=3"):
         Replace(5, 3, [1])
@@ -146,7 +146,7 @@ def test_tail_covering_the_document_equals_full_on_a_deeper_model():
     pie.apply(EDIT_SETS["multi"], "pie")
     assert (_probe(full) - _probe(tail)).abs().max() < 1e-4
     assert (_probe(full) - _probe(pie)).abs().max() > 1e-4      # plain PIE is not exact here: the test can tell
-    with pytest.raises(ValueError, match="apply tail"):
+    with pytest.raises(ValueError, match="strategy tail: expected an int >= 0, got -2"):
         pie.apply([Insert(0, [3])], "pie", tail=-2)
 
 
@@ -249,11 +249,11 @@ def test_pie_attn_rejects_bad_probe_and_sliding_models():
     model = tiny_model("llama", num_hidden_layers=2)[0]
     sess = EditSession(model, _doc())
     before = sess.ids.clone()
-    with pytest.raises(ValueError, match="apply probe"):
+    with pytest.raises(ValueError, match="strategy probe: expected an int >= 1, got 0"):
         sess.apply([Insert(3, [5])], "pie+attn", probe=0)
     assert torch.equal(sess.ids, before)
     gemma = tiny_model("gemma3", num_hidden_layers=2)[0]
-    with pytest.raises(ValueError, match="pie\\+attn model"):
+    with pytest.raises(ValueError, match="strategy pie\\+attn10: expected a model with full-attention layers only"):
         EditSession(gemma, _doc()).apply([Insert(3, [5])], "pie+attn")
 
 
@@ -261,10 +261,14 @@ def test_pie_blend_rejects_bad_ratio_and_sliding_models():
     model = tiny_model("llama", num_hidden_layers=2)[0]
     sess = EditSession(model, _doc())
     before = sess.ids.clone()
-    with pytest.raises(ValueError, match=r"apply ratio: expected a fraction in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"strategy ratio: expected a fraction in \[0, 1\], got 1.5"):
         sess.apply([Insert(2, [3])], "pie+blend", ratio=1.5)
     assert torch.equal(sess.ids, before)
     g = EditSession(tiny_model("gemma3", num_hidden_layers=2)[0], _doc())
-    with pytest.raises(ValueError, match="selective recompute model"):
+    with pytest.raises(ValueError, match="strategy pie\\+blend10: expected a model with full-attention layers only"):
         g.apply([Insert(2, [3])], "pie+blend")
+    gemma1 = EditSession(tiny_model("gemma", num_hidden_layers=2)[0], _doc())      # full attention, scaled embeddings
+    with pytest.raises(ValueError, match="selective recompute .CacheBlend. model: expected no embedding scaling"):
+        gemma1.apply([Insert(2, [3])], "pie+blend")
+    assert gemma1.length == 20
     assert g.length == 20

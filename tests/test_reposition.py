@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvpos.integrations.hf import PositionedCache, extend, forward_reference, generate
-from kvpos.integrations.testing import TINY_ARCHS, tiny_model
+from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 
 
 def _model(arch):

@@ -7,7 +7,7 @@ import transformers as T
 
 from kvpos import RopeLayout, RopeSpec, UnsupportedRopeError, rope_specs_from_model, rotate, unrotate
 from kvpos.reference import rotate_ref, unrotate_ref
-from kvpos.integrations.testing import LIMITED_ARCHS, TINY_ARCHS, tiny_model
+from kvpos.integrations.hf.testing import LIMITED_ARCHS, TINY_ARCHS, tiny_model
 
 
 def _spec(layout=RopeLayout.HALF, R=16, D=16, scale=1.0, angle_dtype=torch.float32):

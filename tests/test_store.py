@@ -65,8 +65,8 @@ def test_round_trip_is_bit_exact(tmp_path, redis_server, name, dtype):
     assert store.get(c.ids) is None
     store.put(c)
     got = store.get(c.ids)
-    assert torch.equal(got.ids, c.ids) and torch.equal(got.keys, c.keys) and torch.equal(got.values, c.values)
-    assert got.keys.dtype == dtype and got.start == 5 and got.fingerprint == FP
+    assert torch.equal(got.ids, c.ids) and torch.equal(got.raw_keys, c.raw_keys) and torch.equal(got.values, c.values)
+    assert got.raw_keys.dtype == dtype and got.start == 5 and got.fingerprint == FP
     assert store.stats.hits == 1 and store.stats.misses == 1
 
 
@@ -139,7 +139,7 @@ def test_two_processes_writing_the_same_chunk_leave_one_valid_entry(tmp_path, re
         assert p.exitcode == 0
     backend = DiskBackend(where) if kind == "disk" else RedisBackend(port=where, prefix="race:")
     got = ChunkStore(backend, FP, namespace="race", strict=True).get(_chunk(S=256).ids)
-    assert got is not None and torch.equal(got.keys, _chunk(S=256).keys)
+    assert got is not None and torch.equal(got.raw_keys, _chunk(S=256).raw_keys)
     if kind == "disk":
         files = [f for _, _, fs in os.walk(where) for f in fs]
         assert len(files) == 1 and files[0].endswith(".safetensors"), files
@@ -190,18 +190,18 @@ def test_store_argument_errors():
 
 
 def test_chunk_store_with_a_real_model_fingerprint(tmp_path):
-    """A chunk made with another anchor is refused by a ChunkCache sharing the disk store's namespace."""
-    from kvpos.integrations.compose import ChunkCache
-    from kvpos.integrations.testing import tiny_model
+    """A chunk made with another anchor is refused by a ChunkComposer sharing the disk store's namespace."""
+    from kvpos.integrations.compose import ChunkComposer
+    from kvpos.integrations.hf.testing import tiny_model
 
     model = tiny_model("llama")[0]
     backend = DiskBackend(tmp_path)
-    a = ChunkCache(model, torch.tensor([1, 5, 6]), backend=backend)
+    a = ChunkComposer(model, torch.tensor([1, 5, 6]), backend=backend)
     ids = torch.tensor([7, 8, 9, 10])
     a.precompute([ids], progress=False)
-    b = ChunkCache(model, torch.tensor([1, 5, 7]), backend=backend)
+    b = ChunkComposer(model, torch.tensor([1, 5, 7]), backend=backend)
     with pytest.raises(FingerprintMismatch, match="anchor="):
         b.get_or_compute(ids)
-    c = ChunkCache(model.to(torch.bfloat16), torch.tensor([1, 5, 6]), backend=backend)
+    c = ChunkComposer(model.to(torch.bfloat16), torch.tensor([1, 5, 6]), backend=backend)
     with pytest.raises(FingerprintMismatch, match="dtype=bfloat16"):
         c.get_or_compute(ids)

