@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from kvpos._checks import as_token_ids, check_fraction, fail
 from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_ANCHOR, SEG_CHUNK0, SEG_QUERY, LayoutPlan, plan_layout
-from kvpos.store import ChunkKV, ChunkStore, MemoryBackend, model_fingerprint
+from kvpos.store import ChunkKV, ChunkStore, MemoryBackend, WeightsDigest, model_fingerprint
 from kvpos.integrations.hf import PositionedCache, additive_mask, extend
 from kvpos.integrations.hf.run import decoder_parts, run_decoder_layers
 
@@ -76,8 +76,9 @@ class ChunkComposer:
     def __init__(self, model: torch.nn.Module, anchor_ids: Any, store: ChunkStore | None = None,
                  backend: Any = None, namespace: str = "default", **store_kw: Any) -> None:
         self.model = model
+        self.weights = WeightsDigest(model)
         self.anchor = Anchor.encode(model, anchor_ids)
-        self.fingerprint = model_fingerprint(model, self.anchor.ids, self.anchor.cache.specs)
+        self.fingerprint = model_fingerprint(model, self.anchor.ids, self.anchor.cache.specs, self.weights)
         if store is None:
             store = ChunkStore(MemoryBackend() if backend is None else backend, self.fingerprint,
                                namespace=namespace, **store_kw)
@@ -89,9 +90,18 @@ class ChunkComposer:
                  f"[{store.fingerprint.short()}]", "build the store with ChunkComposer's fingerprint")
         self.store = store
 
+    def _current(self) -> None:
+        """After any weight changed: re-encode the anchor and serve under the new fingerprint (old entries are then
+        refused as mismatches, never served)."""
+        if self.weights.changed():
+            self.anchor = Anchor.encode(self.model, self.anchor.ids)
+            self.fingerprint = model_fingerprint(self.model, self.anchor.ids, self.anchor.cache.specs, self.weights)
+            self.store = self.store.with_fingerprint(self.fingerprint)
+
     def get_or_compute(self, ids: Any) -> tuple[ChunkKV, bool]:
         """(chunk, hit): from the store, or computed now and stored."""
         ids = _ids1d("chunk ids", ids)
+        self._current()
         chunk = self.store.get(ids)
         if chunk is not None:
             return chunk, True
@@ -112,6 +122,7 @@ class ChunkComposer:
         """Cache for anchor + `chunks` (token ids, fetched or computed) in this order; see `compose`."""
         t0 = time.perf_counter()
         got = [self.get_or_compute(c) for c in chunks]
+        self._current()
         t_fetch = time.perf_counter() - t0
         cache, info = compose(self.model, self.anchor, [c for c, _ in got], layout, link_k, recompute_ratio)
         info.hits = sum(h for _, h in got)

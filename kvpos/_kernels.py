@@ -1,6 +1,6 @@
 """A fused CPU rotation kernel (C, OpenMP), built once with the system C compiler and loaded with ctypes.
 
-Why: a RoPE rotation in torch eager is 4+ elementwise passes over the keys (~35% of memcpy bandwidth); one fused
+Why: a RoPE rotation in torch eager is 4+ elementwise passes over the keys (results/bench_rotate.md); one fused
 loop reads each raw key once and writes each rotated key once. The kernel is optional: without a C compiler (or on
 CUDA tensors, fp16, odd strides) `kvpos.rope` uses the torch path, which computes the same numbers (float32 math,
 one rounding to the key dtype). Set KVPOS_NO_KERNEL=1 to force the torch path.

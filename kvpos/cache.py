@@ -191,7 +191,7 @@ class SlotLayer:
             B, H, _, D = like_k.shape
             cap = _grown(0, need)
             rot = torch.empty(B, H, cap, D, dtype=like_k.dtype, device=like_k.device)
-            raw = torch.empty(B, H, cap, D, dtype=self.raw_dtype or like_k.dtype, device=like_k.device)
+            raw = torch.empty(B, H, cap, D, dtype=like_k.dtype if self.raw_dtype is None else self.raw_dtype, device=like_k.device)
             v = torch.empty(B, H, cap, like_v.shape[-1], dtype=like_v.dtype, device=like_v.device)
             self.rot_k, self.raw_k, self.v = rot, raw, v
             return

@@ -4,31 +4,42 @@ Letters: L layers · H kv heads · S chunk tokens · D head_dim.
 
 An entry holds, for one chunk of token ids encoded after an anchor prefix:
 
-    ids    [S]           int64 token ids (the content)
-    raw_keys [L, H, S, D]  keys before RoPE, model dtype (stored under the tensor name "keys")
-    values [L, H, S, D]  values
-    start  int           the position of the chunk's first token when it was encoded (= anchor length)
-    fingerprint          model config, weights identity, dtype, anchor ids, RoPE, kvpos format version
+    ids       [S]           int64 token ids (the content)
+    raw_keys  [L, H, S, D]  keys before RoPE, model dtype (stored under the tensor name "keys")
+    values    [L, H, S, D]  values
+    start     int           the position of the chunk's first token when it was encoded (= anchor length)
+    fingerprint             model config, every weight, dtype, anchor ids, RoPE, kvpos format version
+    meta      dict          free JSON
 
-Keys are content addresses: sha256 of the token ids, under a namespace. The fingerprint is not part of the key: an
-entry made by another model, dtype or anchor is found and *refused* with an error that names both fingerprints
+Keys are content addresses: namespace + sha256 of the token ids. The fingerprint is not part of the key: an entry
+made by another model, dtype, weights or anchor is found and *refused* with an error that names both fingerprints
 (or recomputed, with on_mismatch="recompute"), never silently used. Use one namespace per model to share a store.
 
-Backends (all store one self-describing safetensors blob per entry; the disk and Redis ones verify a checksum):
+Every byte of a stored entry is verified before use: the checksum covers the tensors (name, dtype, shape, bytes)
+AND the metadata (format, start, fingerprint, meta); the header must parse into exactly the expected fields and
+types. Any damage surfaces as CorruptChunkError; the store then drops the entry and the caller recomputes it. Nothing
+is ever pickled or evaluated. Keys and namespaces are validated, so no input reaches a path outside a DiskBackend's
+root.
+
+Backends (all store one self-describing safetensors blob per entry):
   MemoryBackend  LRU with a byte budget, never exceeded
-  DiskBackend    one file per entry, written to a temp file then renamed (atomic); never pickle
-  RedisBackend   a redis-server shared by processes/machines; SET of one blob (atomic)
+  DiskBackend    one file per entry under its root, written to a temp file then renamed (atomic)
+  RedisBackend   a redis-server shared by processes/machines; SET of one blob (atomic); every server-side failure
+                 is a StoreUnavailable (StoreServerError for errors the server answered with)
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import math
 import os
+import re
 import struct
 import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Protocol
 
 import torch
@@ -36,23 +47,52 @@ import torch
 from ._checks import fail
 
 __all__ = [
-    "ChunkKV", "Fingerprint", "ChunkStore", "MemoryBackend", "DiskBackend", "RedisBackend",
-    "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "content_key", "model_fingerprint",
+    "ChunkKV", "Fingerprint", "ChunkStore", "MemoryBackend", "DiskBackend", "RedisBackend", "StoreStats",
+    "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "StoreServerError", "content_key",
+    "model_fingerprint", "WeightsDigest", "serialize", "deserialize", "FORMAT_VERSION", "check_key",
+    "check_namespace",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: the checksum covers metadata too (format 1 entries are refused as unverifiable)
+_META_KEYS = frozenset({"format", "start", "fingerprint", "meta", "checksum"})
+_MAX_HEADER = 1 << 20
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 class FingerprintMismatch(ValueError):
-    """A stored chunk was computed under another model / dtype / anchor / format."""
+    """A stored chunk was computed under another model / weights / dtype / anchor / format."""
 
 
 class CorruptChunkError(ValueError):
-    """A stored entry is truncated, altered or unreadable."""
+    """A stored entry is truncated, altered, crafted or unreadable."""
 
 
 class StoreUnavailable(ConnectionError):
-    """The backend (e.g. redis-server) cannot be reached."""
+    """The backend (e.g. redis-server) cannot serve the request: unreachable, timed out, or failing."""
+
+
+class StoreServerError(StoreUnavailable):
+    """The server answered with an error (out of memory under noeviction, read-only replica, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# names: what may become a key or a path
+# ---------------------------------------------------------------------------------------------------------------------
+
+def check_namespace(namespace: Any) -> str:
+    """A namespace: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit, no '..'."""
+    if not isinstance(namespace, str) or not _NAME.fullmatch(namespace) or len(namespace) > 64 or ".." in namespace:
+        fail("namespace", "1-64 characters of [A-Za-z0-9._-] starting with a letter or digit, without '..'",
+             repr(namespace), "namespaces become part of storage keys and file names")
+    return namespace
+
+
+def check_key(key: Any) -> str:
+    """A storage key: 1-200 characters of [A-Za-z0-9._-], starting with a letter or digit, no '..'."""
+    if not isinstance(key, str) or not _NAME.fullmatch(key) or ".." in key:
+        fail("store key", "1-200 characters of [A-Za-z0-9._-] starting with a letter or digit, without '..'",
+             repr(key)[:80], "keys come from content_key(ids, namespace)")
+    return key
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -73,28 +113,39 @@ class Fingerprint:
     """Identity of everything a chunk's KV depends on besides its own tokens."""
 
     model: str       # sha256 of the model config
-    weights: str     # sha256 over every parameter's shape/dtype and a strided sample of its bytes
+    weights: str     # sha256 over every parameter and buffer (name, shape, dtype, all bytes)
     dtype: str
     anchor: str      # sha256 of the anchor prefix ids
     rope: str        # sha256 of the per-layer RoPE specs
     format: int = FORMAT_VERSION
 
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, s: str) -> "Fingerprint":
+        """Strict parse: a JSON object with exactly the fields, strings and an int format; CorruptChunkError else."""
         try:
-            return cls(**json.loads(s))
+            d = json.loads(s)
         except (TypeError, ValueError) as e:
-            raise CorruptChunkError(f"fingerprint: expected a JSON object of {sorted(cls.__annotations__)}, got {s[:80]!r}") from e
+            raise CorruptChunkError(f"fingerprint: expected JSON, got {str(s)[:80]!r}") from e
+        want = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) != want:
+            raise CorruptChunkError(f"fingerprint: expected a JSON object with keys {sorted(want)}, got "
+                                    f"{sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        if not all(isinstance(d[k], str) for k in want - {"format"}) or type(d["format"]) is not int:
+            raise CorruptChunkError("fingerprint: expected string fields and an int format, got other types")
+        return cls(**d)
 
     def short(self) -> str:
         return (f"model={self.model[:10]} weights={self.weights[:10]} dtype={self.dtype} anchor={self.anchor[:10]} "
                 f"rope={self.rope[:10]} format={self.format}")
 
     def with_anchor(self, anchor_ids: torch.Tensor) -> "Fingerprint":
-        return Fingerprint(self.model, self.weights, self.dtype, ids_digest(anchor_ids), self.rope, self.format)
+        return replace(self, anchor=ids_digest(anchor_ids))
 
 
 def _config_digest(config: Any) -> str:
@@ -105,28 +156,60 @@ def _config_digest(config: Any) -> str:
     return _sha(json.dumps(d, sort_keys=True, default=str).encode())
 
 
-@torch.no_grad()
-def _weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // sample)
-        part = flat[::step][:sample].float().cpu().numpy().tobytes()
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(part)
-    return h.hexdigest()
+class WeightsDigest:
+    """sha256 over every parameter and buffer of a model (name, shape, dtype and ALL bytes), recomputed only when
+    a tensor changed.
+
+    A change is seen through each tensor's version counter (every in-place write through autograd-visible
+    operations: load_state_dict, optimizer steps, `param.copy_`, indexed assignment under no_grad), its storage
+    pointer and its shape; checking costs O(#tensors). Writes through `tensor.data` bypass the version counter:
+    call `refresh()` after those."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, torch.nn.Module):
+            fail("WeightsDigest model", "a torch.nn.Module", type(model).__name__, exc=TypeError)
+        self.model = model
+        self._state: tuple | None = None
+        self._digest: str | None = None
+        self.computations = 0
+
+    def _observed(self) -> tuple:
+        sd = self.model.state_dict(keep_vars=True)
+        return tuple((k, t.data_ptr(), t._version, tuple(t.shape), t.dtype) for k, t in sd.items())
+
+    @torch.no_grad()
+    def _compute(self) -> str:
+        h = hashlib.sha256()
+        for name, t in sorted(self.model.state_dict().items()):
+            flat = t.detach().reshape(-1).contiguous().cpu()
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
+            if flat.numel():
+                h.update(memoryview(flat.view(torch.uint8).numpy()))
+        self.computations += 1
+        return h.hexdigest()
+
+    def refresh(self) -> str:
+        """Recompute now (after writes through `.data`)."""
+        self._state = None
+        return self.digest()
+
+    def digest(self) -> str:
+        state = self._observed()
+        if state != self._state or self._digest is None:
+            self._digest = self._compute()
+            self._state = state
+        return self._digest
+
+    def changed(self) -> bool:
+        """True when a tensor changed since the last digest (the next digest() recomputes)."""
+        return self._observed() != self._state
 
 
-def model_fingerprint(model: torch.nn.Module, anchor_ids: torch.Tensor, specs: Iterable[Any] = ()) -> Fingerprint:
-    """Fingerprint of (model config, weights, dtype, anchor ids, RoPE specs, kvpos format). Weights are hashed once
-    per model object (cached on it)."""
-    w = getattr(model, "_kvpos_weights_digest", None)
-    if w is None:
-        w = _weights_digest(model)
-        try:
-            model._kvpos_weights_digest = w
-        except AttributeError:
-            pass
+def model_fingerprint(model: torch.nn.Module, anchor_ids: torch.Tensor, specs: Iterable[Any] = (),
+                      weights: WeightsDigest | None = None) -> Fingerprint:
+    """Fingerprint of (model config, every weight, dtype, anchor ids, RoPE specs, kvpos format). Pass a
+    WeightsDigest to reuse its hash (recomputed only when a weight changed)."""
+    w = (weights if weights is not None else WeightsDigest(model)).digest()
     cfg = getattr(model, "config", None)
     rope = _sha(json.dumps([s.describe() for s in specs], sort_keys=True).encode())
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -150,13 +233,25 @@ class ChunkKV:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.raw_keys.dim() != 4:
-            fail("ChunkKV.raw_keys", "[L, H, S, D]", tuple(self.raw_keys.shape))
-        if self.values.dim() != 4 or self.values.shape[:3] != self.raw_keys.shape[:3]:
-            fail("ChunkKV.values", f"[L, H, S, D] with L, H, S of keys {tuple(self.raw_keys.shape)}",
-                 tuple(self.values.shape))
-        if self.ids.dim() != 1 or self.ids.numel() != self.raw_keys.shape[-2]:
-            fail("ChunkKV.ids", f"[S]={self.raw_keys.shape[-2]} token ids", tuple(self.ids.shape))
+        for what in ("ids", "raw_keys", "values"):
+            if not isinstance(getattr(self, what), torch.Tensor):
+                fail(f"ChunkKV.{what}", "a torch.Tensor", type(getattr(self, what)).__name__, exc=TypeError)
+        if self.raw_keys.dim() != 4 or not self.raw_keys.is_floating_point():
+            fail("ChunkKV.raw_keys", "a floating [L, H, S, D] tensor", f"{tuple(self.raw_keys.shape)} "
+                 f"{self.raw_keys.dtype}")
+        if self.values.dim() != 4 or self.values.shape[:3] != self.raw_keys.shape[:3] \
+                or self.values.dtype != self.raw_keys.dtype:
+            fail("ChunkKV.values", f"[L, H, S, Dv] {self.raw_keys.dtype} with L, H, S of raw_keys "
+                 f"{tuple(self.raw_keys.shape)}", f"{tuple(self.values.shape)} {self.values.dtype}")
+        if self.ids.dim() != 1 or self.ids.dtype != torch.long or self.ids.numel() != self.raw_keys.shape[-2]:
+            fail("ChunkKV.ids", f"[S]={self.raw_keys.shape[-2]} int64 token ids",
+                 f"{tuple(self.ids.shape)} {self.ids.dtype}")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            fail("ChunkKV.start", "an int >= 0", self.start)
+        if not isinstance(self.fingerprint, Fingerprint):
+            fail("ChunkKV.fingerprint", "a Fingerprint", type(self.fingerprint).__name__, exc=TypeError)
+        if not isinstance(self.meta, dict):
+            fail("ChunkKV.meta", "a dict", type(self.meta).__name__, exc=TypeError)
 
     @property
     def num_tokens(self) -> int:
@@ -177,57 +272,88 @@ class ChunkKV:
     def layer_kv(self, start: int = 0, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (raw_keys [1, H, s, D], values [1, H, s, D]) of tokens [start, end): views, no copy."""
         end = self.num_tokens if end is None else end
-        return [(self.raw_keys[i, None, :, start:end], self.values[i, None, :, start:end]) for i in range(self.raw_keys.shape[0])]
+        return [(self.raw_keys[i, None, :, start:end], self.values[i, None, :, start:end])
+                for i in range(self.raw_keys.shape[0])]
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """sha256 over the metadata fields (all but the checksum, canonical JSON) and every tensor's name, dtype,
+    shape and bytes."""
     h = hashlib.sha256()
+    h.update(json.dumps({k: meta[k] for k in sorted(meta) if k != "checksum"}, sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name].contiguous()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
     return h.hexdigest()
 
 
 def serialize(chunk: ChunkKV) -> bytes:
-    """One safetensors blob: tensors + metadata (fingerprint, start, checksum, format). No pickle anywhere."""
+    """One safetensors blob: tensors + metadata (format, start, fingerprint, meta, checksum). No pickle anywhere."""
     from safetensors.torch import save
 
     tensors = {"ids": chunk.ids.contiguous(), "keys": chunk.raw_keys.contiguous(), "values": chunk.values.contiguous()}
     meta = {"format": str(FORMAT_VERSION), "start": str(int(chunk.start)), "fingerprint": chunk.fingerprint.to_json(),
-            "checksum": _checksum(tensors), "meta": json.dumps(chunk.meta)}
+            "meta": json.dumps(chunk.meta, sort_keys=True)}
+    meta["checksum"] = _checksum(tensors, meta)
     return save(tensors, metadata=meta)
 
 
 def _header(blob: bytes) -> dict:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise CorruptChunkError(f"entry: expected bytes, got {type(blob).__name__}")
     if len(blob) < 8:
         raise CorruptChunkError(f"entry: expected a safetensors blob, got {len(blob)} bytes")
-    (n,) = struct.unpack("<Q", blob[:8])
-    if n > len(blob) - 8 or n > 100_000_000:
-        raise CorruptChunkError(f"entry: header of {n} bytes in a blob of {len(blob)} (truncated)")
+    (n,) = struct.unpack("<Q", bytes(blob[:8]))
+    if n > len(blob) - 8 or n > _MAX_HEADER:
+        raise CorruptChunkError(f"entry: header of {n} bytes in a blob of {len(blob)} (truncated or crafted)")
     try:
-        return json.loads(blob[8:8 + n])
+        head = json.loads(bytes(blob[8:8 + n]))
     except ValueError as e:
         raise CorruptChunkError("entry: unreadable safetensors header") from e
+    if not isinstance(head, dict) or not isinstance(head.get("__metadata__"), dict):
+        raise CorruptChunkError("entry: expected a header object with __metadata__")
+    meta = head["__metadata__"]
+    fmt = meta.get("format")
+    if fmt != str(FORMAT_VERSION):
+        why = " (its checksum does not cover the metadata; recompute it)" if fmt == "1" else ""
+        raise CorruptChunkError(f"entry: expected kvpos format {FORMAT_VERSION}, got {str(fmt)[:20]!r}{why}")
+    if set(meta) != _META_KEYS or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptChunkError(f"entry: expected metadata {sorted(_META_KEYS)} as strings, got {sorted(meta)}")
+    if set(head) != {"__metadata__", "ids", "keys", "values"}:
+        raise CorruptChunkError(f"entry: expected tensors ids/keys/values, got {sorted(k for k in head if k[:2] != '__')}")
+    return meta
 
 
 def deserialize(blob: bytes) -> ChunkKV:
-    """Parse and verify a blob; raises CorruptChunkError on truncation, alteration or a foreign format."""
+    """Parse and verify a blob; any truncation, alteration, crafted field or foreign format raises
+    CorruptChunkError (never another exception type)."""
+    try:
+        return _deserialize(blob)
+    except CorruptChunkError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a damaged blob makes a parser raise is corruption
+        raise CorruptChunkError(f"entry: unreadable ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def _deserialize(blob: bytes) -> ChunkKV:
     from safetensors.torch import load
 
-    meta = _header(blob).get("__metadata__") or {}
-    if meta.get("format") != str(FORMAT_VERSION):
-        raise CorruptChunkError(f"entry: expected kvpos format {FORMAT_VERSION}, got {meta.get('format')!r}")
-    try:
-        tensors = load(blob)
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types for damaged data
-        raise CorruptChunkError(f"entry: unreadable tensors ({type(e).__name__}: {e})") from e
-    if set(tensors) != {"ids", "keys", "values"}:
-        raise CorruptChunkError(f"entry: expected tensors ids/keys/values, got {sorted(tensors)}")
-    if _checksum(tensors) != meta.get("checksum"):
+    meta = _header(blob)
+    tensors = load(bytes(blob))
+    if not hmac.compare_digest(_checksum(tensors, meta), meta["checksum"]):
         raise CorruptChunkError("entry: checksum mismatch (the stored bytes were altered)")
-    return ChunkKV(tensors["ids"], tensors["keys"], tensors["values"], int(meta["start"]),
-                   Fingerprint.from_json(meta["fingerprint"]), json.loads(meta.get("meta", "{}")))
+    if not re.fullmatch(r"[0-9]{1,15}", meta["start"]):
+        raise CorruptChunkError(f"entry: start: expected a non-negative int, got {meta['start'][:20]!r}")
+    extra = json.loads(meta["meta"])
+    if not isinstance(extra, dict):
+        raise CorruptChunkError("entry: meta: expected a JSON object")
+    try:
+        return ChunkKV(tensors["ids"], tensors["keys"], tensors["values"], int(meta["start"]),
+                       Fingerprint.from_json(meta["fingerprint"]), extra)
+    except (TypeError, ValueError) as e:
+        raise CorruptChunkError(f"entry: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -247,7 +373,7 @@ class MemoryBackend:
     treat them as read-only)."""
 
     def __init__(self, max_bytes: int = 2 << 30) -> None:
-        if not isinstance(max_bytes, int) or max_bytes <= 0:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             fail("MemoryBackend max_bytes", "a positive int", max_bytes)
         self.max_bytes = max_bytes
         self.bytes = 0
@@ -258,7 +384,11 @@ class MemoryBackend:
     def __len__(self) -> int:
         return len(self._d)
 
+    def __bool__(self) -> bool:       # an empty backend is still a backend (never replaced by `x or default`)
+        return True
+
     def get(self, key: str) -> ChunkKV | None:
+        check_key(key)
         with self._lock:
             c = self._d.get(key)
             if c is not None:
@@ -266,11 +396,12 @@ class MemoryBackend:
             return c
 
     def put(self, key: str, chunk: ChunkKV) -> bool:
+        check_key(key)
         size = chunk.nbytes()
         if size > self.max_bytes:
             return False
-        stored = ChunkKV(chunk.ids.clone(), chunk.raw_keys.clone(), chunk.values.clone(), chunk.start, chunk.fingerprint,
-                         dict(chunk.meta))
+        stored = ChunkKV(chunk.ids.clone(), chunk.raw_keys.clone(), chunk.values.clone(), chunk.start,
+                         chunk.fingerprint, dict(chunk.meta))
         with self._lock:
             if key in self._d:
                 self.bytes -= self._d.pop(key).nbytes()
@@ -284,6 +415,7 @@ class MemoryBackend:
         return True
 
     def delete(self, key: str) -> None:
+        check_key(key)
         with self._lock:
             c = self._d.pop(key, None)
             if c is not None:
@@ -291,14 +423,19 @@ class MemoryBackend:
 
 
 class DiskBackend:
-    """One safetensors file per entry under `root`; atomic writes (temp file + fsync + rename)."""
+    """One safetensors file per entry under `root`; atomic writes (temp file + fsync + rename). Keys are
+    validated and every path is checked to resolve inside the root (symbolic links included)."""
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = os.fspath(root)
+        self.root = os.path.realpath(os.fspath(root))
         os.makedirs(self.root, exist_ok=True)
 
     def path(self, key: str) -> str:
-        return os.path.join(self.root, key[:2], f"{key}.safetensors")
+        check_key(key)
+        p = os.path.join(self.root, key[:2], f"{key}.safetensors")
+        if os.path.commonpath([os.path.realpath(p), self.root]) != self.root:
+            fail("store key", f"a path inside {self.root}", os.path.realpath(p), "remove the link that points out")
+        return p
 
     def get(self, key: str) -> ChunkKV | None:
         p = self.path(key)
@@ -307,6 +444,8 @@ class DiskBackend:
                 blob = f.read()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise StoreUnavailable(f"disk store {p}: {type(e).__name__}: {e}") from e
         try:
             return deserialize(blob)
         except CorruptChunkError as e:
@@ -314,8 +453,8 @@ class DiskBackend:
 
     def put(self, key: str, chunk: ChunkKV) -> bool:
         p = self.path(key)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
         blob = serialize(chunk)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".tmp-", suffix=".safetensors")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -337,51 +476,70 @@ class DiskBackend:
 
 
 class RedisBackend:
-    """Entries as one blob per key in a redis-server (SET is atomic). Connection problems raise StoreUnavailable."""
+    """Entries as one blob per key in a redis-server (SET is atomic). Every failure is a StoreUnavailable:
+    unreachable or timed out (no retries: `timeout_s` bounds each call), or an error the server answered
+    (StoreServerError: out of memory, read-only, ...). A key holding another Redis type is a corrupt entry."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, prefix: str = "kvpos:",
                  timeout_s: float = 5.0, ttl_s: int | None = None) -> None:
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError as e:
             raise ImportError("RedisBackend: expected the `redis` package, got none; pip install 'kvpos[redis]'") from e
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+                or timeout_s <= 0:
+            fail("RedisBackend timeout_s", "a finite number of seconds > 0", timeout_s)
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s <= 0):
+            fail("RedisBackend ttl_s", "None or an int number of seconds > 0", ttl_s)
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9._:-]{0,64}", prefix):
+            fail("RedisBackend prefix", "up to 64 characters of [A-Za-z0-9._:-]", repr(prefix))
         self._redis = redis
         self.address = f"{host}:{port}/{db}"
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.timeout_s = float(timeout_s)
         self.client = redis.Redis(host=host, port=port, db=db, socket_timeout=timeout_s,
-                                  socket_connect_timeout=timeout_s)
+                                  socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
 
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn, *args, **kw):
+        E = self._redis.exceptions
         try:
-            return fn(*args)
-        except (self._redis.exceptions.ConnectionError, self._redis.exceptions.TimeoutError, OSError) as e:
+            return fn(*args, **kw)
+        except E.ResponseError as e:
+            if "WRONGTYPE" in str(e):
+                raise CorruptChunkError(f"redis {what}: the key holds another Redis type ({e})") from e
+            raise StoreServerError(f"redis {what} at {self.address}: the server answered {type(e).__name__}: {e}; "
+                                   "fix the server (memory, replica role), or build the ChunkStore with "
+                                   "on_unavailable='recompute'") from e
+        except (E.RedisError, OSError) as e:
             raise StoreUnavailable(
-                f"redis {what}: expected a redis-server at {self.address}, got {type(e).__name__}: {e}; start "
-                "redis-server, or build the ChunkStore with on_unavailable='recompute'") from e
+                f"redis {what}: expected a redis-server at {self.address} answering within {self.timeout_s}s, got "
+                f"{type(e).__name__}: {e}; start redis-server, or build the ChunkStore with "
+                "on_unavailable='recompute'") from e
 
     def ping(self) -> bool:
         return bool(self._call("ping", self.client.ping))
 
     def get(self, key: str) -> ChunkKV | None:
-        blob = self._call("get", self.client.get, self.prefix + key)
+        k = self.prefix + check_key(key)
+        blob = self._call("get", self.client.get, k)
         if blob is None:
             return None
         try:
             return deserialize(blob)
         except CorruptChunkError as e:
-            raise CorruptChunkError(f"redis key {self.prefix + key}: {e}") from e
+            raise CorruptChunkError(f"redis key {k}: {e}") from e
 
     def put(self, key: str, chunk: ChunkKV) -> bool:
+        k = self.prefix + check_key(key)
         blob = serialize(chunk)
-        if self.ttl_s:
-            self._call("set", self.client.set, self.prefix + key, blob, self.ttl_s)
-        else:
-            self._call("set", self.client.set, self.prefix + key, blob)
+        self._call("set", self.client.set, k, blob, ex=self.ttl_s)
         return True
 
     def delete(self, key: str) -> None:
-        self._call("delete", self.client.delete, self.prefix + key)
+        self._call("delete", self.client.delete, self.prefix + check_key(key))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -390,7 +548,7 @@ class RedisBackend:
 
 def content_key(ids: torch.Tensor, namespace: str = "default") -> str:
     """Storage key of a chunk: namespace + sha256 of its int64 token ids."""
-    return f"{namespace}-{ids_digest(ids)}"
+    return f"{check_namespace(namespace)}-{ids_digest(ids)}"
 
 
 @dataclass
@@ -412,9 +570,10 @@ class ChunkStore:
     """Chunk KV by content key, checked against this store's fingerprint on every read.
 
     on_mismatch: "error" (default) raises FingerprintMismatch naming both fingerprints; "recompute" treats the entry
-    as a miss (the caller recomputes and overwrites it). Corrupt entries are always reported in `stats` and treated
-    as misses (deleted, then recomputed by the caller); with strict=True they raise CorruptChunkError instead.
-    on_unavailable: "error" (default) raises StoreUnavailable; "recompute" reports it and treats it as a miss.
+    as a miss (the caller recomputes and overwrites it). Corrupt entries (any damage, any crafted field) are always
+    reported in `stats`, deleted and treated as misses (the caller recomputes them); with strict=True they raise
+    CorruptChunkError instead (and stay, for inspection). on_unavailable: "error" (default) raises StoreUnavailable; "recompute" reports it and
+    treats it as a miss (get) or a skipped write (put).
     """
 
     def __init__(self, backend: Backend, fingerprint: Fingerprint, namespace: str = "default",
@@ -425,13 +584,23 @@ class ChunkStore:
             fail("ChunkStore on_unavailable", "'error' or 'recompute'", repr(on_unavailable))
         if not isinstance(fingerprint, Fingerprint):
             fail("ChunkStore fingerprint", "a Fingerprint", type(fingerprint).__name__, exc=TypeError)
+        if backend is None or not all(callable(getattr(backend, m, None)) for m in ("get", "put", "delete")):
+            fail("ChunkStore backend", "a backend with get/put/delete (MemoryBackend, DiskBackend, RedisBackend)",
+                 type(backend).__name__, exc=TypeError)
         self.backend = backend
         self.fingerprint = fingerprint
-        self.namespace = namespace
+        self.namespace = check_namespace(namespace)
         self.on_mismatch = on_mismatch
         self.on_unavailable = on_unavailable
         self.strict = strict
         self.stats = StoreStats()
+
+    def with_fingerprint(self, fingerprint: Fingerprint) -> "ChunkStore":
+        """The same backend, namespace and settings (stats shared) under another fingerprint (e.g. new weights)."""
+        out = ChunkStore(self.backend, fingerprint, self.namespace, self.on_mismatch, self.on_unavailable,
+                         self.strict)
+        out.stats = self.stats
+        return out
 
     def key(self, ids: torch.Tensor) -> str:
         return content_key(ids, self.namespace)
@@ -464,12 +633,17 @@ class ChunkStore:
             self.stats.note("mismatches", key, msg)
             return None
         if not torch.equal(chunk.ids, torch.as_tensor(ids, dtype=torch.long).flatten()):
+            if self.strict:
+                raise CorruptChunkError(f"chunk {key[:24]}: ids differ from the key")
             self.stats.note("corrupt", key, "ids differ from the key (hash collision or tampering)")
+            self._delete_quietly(key)
             return None
         self.stats.hits += 1
         return chunk
 
     def put(self, chunk: ChunkKV) -> bool:
+        if not isinstance(chunk, ChunkKV):
+            fail("ChunkStore.put chunk", "a ChunkKV", type(chunk).__name__, exc=TypeError)
         if chunk.fingerprint != self.fingerprint:
             fail("ChunkStore.put chunk", f"fingerprint [{self.fingerprint.short()}]", f"[{chunk.fingerprint.short()}]")
         key = self.key(chunk.ids)

@@ -75,7 +75,7 @@ def test_round_trip_is_bit_exact(tmp_path, redis_server, name, dtype):
 def test_chunk_from_another_model_dtype_or_anchor_is_refused_naming_both(tmp_path, redis_server, name, field):
     backend = _backends(tmp_path, redis_server)[name]
     ChunkStore(backend, FP, namespace="fp").put(_chunk())
-    other = Fingerprint(**{**FP.__dict__, field: ("b" * 64 if field != "format" else 2)
+    other = Fingerprint(**{**FP.__dict__, field: ("b" * 64 if field != "format" else 3)
                            if field not in ("dtype",) else "bfloat16"})
     store = ChunkStore(backend, other, namespace="fp")
     with pytest.raises(FingerprintMismatch, match=r"computed with \[model=mmmmmmmmmm.*\], this store serves \[") as e:
@@ -180,10 +180,10 @@ def test_store_argument_errors():
         MemoryBackend(0)
     with pytest.raises(ValueError, match=r"ChunkStore.put chunk: expected fingerprint"):
         ChunkStore(MemoryBackend(), FP).put(_chunk(fp=Fingerprint("x", "y", "z", "a", "r")))
-    with pytest.raises(CorruptChunkError, match="expected kvpos format 1"):
+    with pytest.raises(CorruptChunkError, match="expected kvpos format 2, got '9'"):
         from safetensors.torch import save
         deserialize(save({"ids": torch.zeros(1)}, metadata={"format": "9"}))
-    with pytest.raises(ValueError, match=r"ChunkKV.values: expected \[L, H, S, D\]"):
+    with pytest.raises(ValueError, match=r"ChunkKV.values: expected \[L, H, S, Dv\]"):
         ChunkKV(torch.zeros(2, dtype=torch.long), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 3, 4), 0, FP)
     assert content_key(torch.tensor([1, 2]), "ns").startswith("ns-")
     assert deserialize(serialize(_chunk())).fingerprint == FP
