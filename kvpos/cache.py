@@ -262,7 +262,9 @@ class PositionedKV:
     forwards through `write_rotated_`.
     """
 
-    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: object = None) -> None:
+        """specs: one RopeSpec per layer; raw_dtype: dtype of the raw keys (default: the keys' own); origin: an opaque
+        identity of the model that writes the slots (caches of different origins are never mixed; None = unknown)."""
         if isinstance(specs, RopeSpec) or not isinstance(specs, (list, tuple)) or not specs:
             fail(f"{type(self).__name__} specs", "a non-empty list with one RopeSpec per layer",
                  type(specs).__name__ if not isinstance(specs, (list, tuple)) else "an empty list", exc=TypeError
@@ -273,6 +275,7 @@ class PositionedKV:
         if raw_dtype is not None and (not isinstance(raw_dtype, torch.dtype) or not raw_dtype.is_floating_point):
             fail(f"{type(self).__name__} raw_dtype", "None or a floating torch.dtype", raw_dtype, exc=TypeError)
         self.raw_dtype = raw_dtype
+        self.origin = origin
         self.layers: list[SlotLayer] = [self._new_layer(i, s) for i, s in enumerate(specs)]
         self.table = SlotTable()
         self._forward: _Forward | None = None
@@ -719,7 +722,7 @@ class PositionedKV:
     # -- structure -------------------------------------------------------------------------------------------------
     def empty_like(self) -> "PositionedKV":
         """A new empty cache of the same type with the same RoPE specs (subclasses carry their own settings)."""
-        return type(self)(self.specs, self.raw_dtype)
+        return type(self)(self.specs, self.raw_dtype, self.origin)
 
     def copy(self, headroom: int = 0) -> "PositionedKV":
         """Deep copy of the valid slots (plus `headroom` free slots of capacity), not the source's whole capacity."""
@@ -839,6 +842,9 @@ def _common_specs(op: str, caches: Iterable[PositionedKV]) -> None:
         for i, (a, b) in enumerate(zip(ref.layers, c.layers)):
             if a.spec.key() != b.spec.key():
                 fail(f"{op} caches[{j}] layer {i}", "the same RoPE spec as caches[0]", b.spec.describe())
+        if ref.origin is not None and c.origin is not None and c.origin != ref.origin:
+            fail(f"{op} caches[{j}]", "a cache of the same model as caches[0]", "a cache of another model",
+                 "KV from two models cannot share a cache; recompute it with one model")
         if ref.dtype is not None and c.dtype is not None and c.dtype != ref.dtype:
             fail(f"{op} caches[{j}]", f"keys in {ref.dtype} like caches[0]", c.dtype,
                  "convert one of them first; kvpos never casts silently")

@@ -299,7 +299,11 @@ def _spec_for(rotary: Any, config: Any, layer_type: str | None, head_dim: int, l
     # dynamic/longrope rewrite inv_freq in forward; the original (short) set is the one valid below the limit
     inv = getattr(rotary, f"{prefix}original_inv_freq", None)
     if inv is None or rope_type in _STATIC_ROPE_TYPES:
-        inv = getattr(rotary, f"{prefix}inv_freq")
+        inv = getattr(rotary, f"{prefix}inv_freq", None)
+    if not isinstance(inv, torch.Tensor):
+        raise UnsupportedRopeError(
+            f"model_type={getattr(config, 'model_type', '?')!r}: expected a rotary module with an `inv_freq` buffer, got "
+            f"{type(rotary).__name__} without one (e.g. GPT-J's table of sinusoids); kvpos cannot read its frequencies")
     scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
     limit = _limit_for(config, rope_type, layer_type, rotary)
     return RopeSpec(inv_freq=inv.detach().float().cpu(), attention_scaling=scaling, rotary_dim=2 * inv.numel(),

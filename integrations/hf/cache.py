@@ -4,13 +4,19 @@ Letters: B batch · H kv heads · T cached slots · S new tokens · D head_dim.
 
 How positions arrive (transformers 5.x): attention layers call `cache.update(k_rotated, v, layer_idx,
 kwargs={..., "position_ids": [B|1, S]})` after applying RoPE. The first layer of a forward reads the positions and
-the core (`PositionedKV.write_rotated_`) keeps them for every later layer of that forward. Models that do not pass
-position_ids to the cache (GPT-NeoX) are covered by a forward pre-hook on the rotary module that records the running
-forward's positions in a context variable (per thread, never on the module).
+the core (`PositionedKV.write_rotated_`) keeps them for every later layer of that forward.
+
+`from_model` puts a forward pre-hook on the model's rotary module. It records, per thread (a context variable, never
+an attribute), which model is running and at which positions. The cache uses it twice: models that do not pass
+position_ids to the cache (GPT-NeoX) get their positions from it, and a cache refuses a forward of any model other
+than the one it was built for (another RoPE base would silently corrupt its keys).
 """
 from __future__ import annotations
 
 import contextvars
+import functools
+import weakref
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -22,16 +28,23 @@ from kvpos.rope import RopeSpec, rope_specs_from_model
 
 __all__ = ["PositionedCache", "PositionedLayer"]
 
-# positions of the running forward, recorded by the rotary-module hook (per thread / task, one value per forward)
-_ROTARY_POSITIONS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("kvpos_rotary_positions",
-                                                                                          default=None)
+@dataclass(frozen=True)
+class _ForwardNote:
+    """Which model's forward is running (weak reference) and its positions, as the rotary module saw them."""
+
+    model: weakref.ref
+    positions: torch.Tensor | None
 
 
-def _record_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+# the running forward of this thread / task, recorded by the rotary-module hook; consumed by the cache's first write
+_FORWARD: contextvars.ContextVar[_ForwardNote | None] = contextvars.ContextVar("kvpos_forward", default=None)
+
+
+def _record_forward(model_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     pos = kwargs.get("position_ids")
     if pos is None and len(args) >= 2:
         pos = args[1]
-    _ROTARY_POSITIONS.set(pos)
+    _FORWARD.set(_ForwardNote(model_ref, pos))
 
 
 def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -39,11 +52,16 @@ def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             or n.endswith("rotary_emb")]
 
 
-def _install_position_hook(model: torch.nn.Module) -> None:
-    """Record the running forward's positions from every rotary module (idempotent)."""
+def _install_forward_hook(model: torch.nn.Module) -> weakref.ref:
+    """Record every forward of `model` from its rotary modules (idempotent); returns the model's weak reference."""
+    ref = weakref.ref(model)
     for m in _rotary_modules(model):
-        if not any(h is _record_positions for h in m._forward_pre_hooks.values()):
-            m.register_forward_pre_hook(_record_positions, with_kwargs=True)
+        mine = [h for h in m._forward_pre_hooks.values()
+                if isinstance(h, functools.partial) and h.func is _record_forward]
+        if any(h.args[0]() is model for h in mine):
+            continue
+        m.register_forward_pre_hook(functools.partial(_record_forward, ref), with_kwargs=True)
+    return ref
 
 
 class PositionedLayer(SlotLayer, CacheLayerMixin):
@@ -112,25 +130,33 @@ class PositionedCache(PositionedKV, Cache):
     Memory: raw keys + rotated keys + values (1.5x a DynamicCache); buffers grow geometrically (no per-step cat).
     """
 
-    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None,
+    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: Any = None,
                  model_id: str | None = None) -> None:
-        PositionedKV.__init__(self, specs, raw_dtype)
+        """Prefer `from_model(model)`: it reads the specs and binds the cache to that model (origin)."""
+        PositionedKV.__init__(self, specs, raw_dtype, origin)
         Cache.__init__(self, layers=self.layers)
         self.model_id = model_id
+        self._limited = any(s.max_exact_position is not None for s in self.specs)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> PositionedLayer:
         return PositionedLayer(self, index, spec, self.raw_dtype)
 
     def empty_like(self) -> "PositionedCache":
-        return type(self)(self.specs, self.raw_dtype, self.model_id)
+        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id)
+
+    def __bool__(self) -> bool:
+        """False for a model whose RoPE frequencies change with length (dynamic, longrope): transformers' Phi-3
+        generate drops a truthy cache at the switch length and continues without it, which would leave this cache
+        silently behind; kept, the cache refuses the first position beyond its exact range with an error instead."""
+        return not self._limited
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, raw_dtype: torch.dtype | None = None,
                    angle_dtype: torch.dtype = torch.float32) -> "PositionedCache":
         """Build an empty cache for `model` (one RopeSpec per layer; refuses models it cannot serve exactly)."""
         specs = rope_specs_from_model(model, angle_dtype=angle_dtype)
-        _install_position_hook(model)
-        return cls(specs, raw_dtype=raw_dtype, model_id=getattr(model, "name_or_path", None))
+        origin = _install_forward_hook(model)
+        return cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None))
 
     @classmethod
     def from_dynamic(cls, model: torch.nn.Module, cache: Cache, positions: Any = None,
@@ -150,26 +176,44 @@ class PositionedCache(PositionedKV, Cache):
                 fail(f"from_dynamic layer {i}", f"{T} cached keys (sliding-window layers keep fewer)",
                      None if l.keys is None else l.keys.shape[2])
         kv = [(l.keys, l.values) for l in cache.layers]
-        return cls.from_rotated(out.specs, kv, positions, raw_dtype, model_id=out.model_id)
+        return cls.from_rotated(out.specs, kv, positions, raw_dtype, origin=out.origin, model_id=out.model_id)
 
     # -- the transformers write path -----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new slots of layer `layer_idx`: k [B, H, S, D] already rotated by the model; returns all
         (rotated keys, values) of the layer."""
-        pos = self._incoming_positions(layer_idx, key_states, kwargs)
+        fw = self._forward
+        B, S = key_states.shape[0], key_states.shape[2]
+        if fw is not None and layer_idx not in fw.done and self._overwrite is None and fw.S == S:
+            pos = fw.pos                                     # a later layer of the running forward
+        else:
+            pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
         return self.write_rotated_(layer_idx, key_states, value_states, pos)
 
-    def _incoming_positions(self, index: int, k: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _forward_note(self, index: int) -> _ForwardNote | None:
+        """The running forward's note (consumed); refuses a forward of another model than this cache's."""
+        note = _FORWARD.get()
+        if note is not None:
+            _FORWARD.set(None)
+        if self.origin is None or (note is None and self._overwrite is not None):
+            return note                    # recompute forwards: the first layer consumed and checked the note
+        if note is None or note.model() is not self.origin():
+            got = "a forward of a model without kvpos's hook" if note is None else "a forward of another model"
+            fail(f"cache.update layer {index}", f"a forward of the model this cache was built for "
+                 f"({self.model_id or 'from_model'})", got,
+                 "build one cache per model with PositionedCache.from_model(model); another model's keys (another "
+                 "RoPE base, other weights) would make this cache's keys wrong")
+        return note
+
+    def _incoming_positions(self, index: int, k: torch.Tensor, kwargs: dict, note: _ForwardNote | None
+                            ) -> torch.Tensor:
         """[B, S] int64 positions of the keys the model is handing over (read once per forward)."""
-        fw = self._forward
         B, S = k.shape[0], k.shape[2]
-        if fw is not None and index not in fw.done and self._overwrite is None and fw.S == S:
-            return fw.pos                                    # a later layer of the running forward
         inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
         pos = inner.get("position_ids") if isinstance(inner, dict) else None
-        if pos is None:
-            pos = _ROTARY_POSITIONS.get()
+        if pos is None and note is not None:
+            pos = note.positions
         if pos is None:
             fail(f"cache.update layer {index}: position_ids", "the positions of the new keys (passed by the model "
                  "or recorded from its rotary module)", None, "build the cache with PositionedCache.from_model(model)")
