@@ -10,7 +10,7 @@ PIP     := $(PY) -m pip -q --disable-pip-version-check
 STAMP   := $(VENV)/.kvpos-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench redis clean
+.PHONY: setup demo test fuzz bench redis clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ demo: setup
 
 test: setup redis
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the long fuzz profile (about 30-60 min on 2 cores): writes results/reliability.md
+fuzz: setup redis
+	KVPOS_FUZZ=long KVPOS_FUZZ_REPORT=results/reliability_outcomes.json $(PY) -m pytest -q \
+	  tests/test_fuzz.py tests/test_reliability.py
+	$(PY) bench/reliability.py --outcomes results/reliability_outcomes.json --json results/reliability.json
 
 bench: setup
 	$(PY) bench/bench_decode.py --json results/bench_decode.json

@@ -805,11 +805,16 @@ class PositionedKV:
         """Batch rows become `rows` (1-D indices into the current rows; repeats allowed): beam reordering,
         repetition, selection."""
         self._check_idle("reorder_rows_")
+        if not isinstance(rows, torch.Tensor):
+            try:
+                rows = torch.as_tensor(rows)
+            except (TypeError, ValueError, RuntimeError):
+                fail("rows", "a non-empty 1-D integer index", type(rows).__name__, exc=TypeError)
+        idx = rows
+        if idx.dim() != 1 or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool or idx.numel() == 0:
+            fail("rows", "a non-empty 1-D integer index", f"{tuple(idx.shape)} {idx.dtype}")
         if self.table.batch_size < 0:
             return
-        idx = torch.as_tensor(rows)
-        if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
-            fail("rows", "a non-empty 1-D integer index", f"{tuple(idx.shape)} {idx.dtype}")
         idx = idx.long()
         B = self.table.batch_size
         if int(idx.min()) < 0 or int(idx.max()) >= B:

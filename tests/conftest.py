@@ -1,4 +1,10 @@
+import collections
+import json
 import os
+import shutil
+import socket
+import subprocess
+import time
 
 import pytest
 import torch
@@ -21,3 +27,53 @@ def default_model():
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("explore", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(directory) -> tuple[subprocess.Popen, int]:
+    """A real redis-server on 127.0.0.1 (Debian package). A missing binary is a failure, never a skip."""
+    from kvpos.store import RedisBackend, StoreUnavailable
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server not found: install the Debian package redis-server (make test / .ci/run do it)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            if RedisBackend(port=port, timeout_s=0.2).ping():
+                return proc, port
+        except StoreUnavailable:
+            time.sleep(0.05)
+    proc.kill()
+    pytest.fail("redis-server did not start")
+
+
+@pytest.fixture(scope="session")
+def redis_server_port(tmp_path_factory):
+    proc, port = start_redis(tmp_path_factory.mktemp("redis"))
+    yield port
+    proc.terminate()
+    proc.wait(5)
+
+
+_OUTCOMES = collections.defaultdict(collections.Counter)
+
+
+@pytest.fixture
+def fuzz_record():
+    """record(category, outcome): counts for results/reliability.md (written when KVPOS_FUZZ_REPORT names a file)."""
+    return lambda category, outcome: _OUTCOMES[category].update([outcome])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("KVPOS_FUZZ_REPORT")
+    if path and _OUTCOMES:
+        with open(path, "w") as f:
+            json.dump({k: dict(v) for k, v in _OUTCOMES.items()}, f, indent=1, sort_keys=True)

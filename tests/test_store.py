@@ -1,13 +1,11 @@
 """ChunkStore backends: bit-exact round trips, fingerprints, damage detection, concurrency, budgets, real Redis."""
 import multiprocessing as mp
 import os
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
 import torch
+from conftest import free_port
 
 from kvpos.store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
                          MemoryBackend, RedisBackend, StoreUnavailable, content_key, deserialize, serialize)
@@ -22,34 +20,9 @@ def _chunk(seed=0, S=7, dtype=torch.float32, fp=FP):
                    5, fp)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    """A real redis-server on 127.0.0.1 (Debian package). Missing binary = failure, not a skip."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server not found: install the Debian package redis-server (make test / .ci/run do it)")
-    port = _free_port()
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            if RedisBackend(port=port, timeout_s=0.2).ping():
-                break
-        except StoreUnavailable:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("redis-server did not start")
-    yield port
-    proc.terminate()
-    proc.wait(5)
+def redis_server(redis_server_port):
+    return redis_server_port
 
 
 def _backends(tmp_path, port):
@@ -160,7 +133,7 @@ def test_memory_budget_is_never_exceeded():
 
 
 def test_redis_unreachable_gives_a_clear_error_or_a_reported_recompute():
-    port = _free_port()   # nothing listens here
+    port = free_port()   # nothing listens here
     store = ChunkStore(RedisBackend(port=port, timeout_s=0.5), FP)
     with pytest.raises(StoreUnavailable, match=rf"redis get: expected a redis-server at 127.0.0.1:{port}/0.*"
                                                r"on_unavailable='recompute'"):
