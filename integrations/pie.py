@@ -2,6 +2,10 @@
 
 Strategies are kvpos.edits.Strategy values (or their spec strings, one grammar everywhere):
   full    re-encode the whole edited document (the reference)
+  prefix  keep the KV before the first edited token, recompute everything after it: exact, and what every serving
+          engine does (vLLM, SGLang, llama.cpp); its cost is the tokens that follow the first edit
+  auto    per edit, prefix when few tokens follow the first edit, else pie+k<K>+tail<T> (kvpos.edits.Strategy.resolve;
+          its parameters come from a calibration split, results/pie_auto_calibration.md)
   pie     Positional Integrity Encoding: keep the untouched segments' KV, move each by its cumulative shift (one
           rotation of the raw keys, values unchanged), encode only the new tokens on top of what precedes them
   naive   "conflict fast" reuse: splice the encoded new tokens in and leave the old positions as they were
@@ -83,8 +87,9 @@ class EditSession:
         """Apply edits (token indices of the current document) with `strategy` (a Strategy or its spec, e.g.
         "pie+k64+tail512"; keyword overrides set its fields: k, tail, ratio, probe). The session moves to the new
         document."""
-        strat = Strategy.parse(strategy, **overrides).check(self.layer_types)
+        asked = Strategy.parse(strategy, **overrides).check(self.layer_types)
         edits = normalize(edits, self.length)
+        strat = asked.resolve(self.length, edits)
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
         if new_ids.numel() == 0:
             fail("edits", "a non-empty document after editing", "every token deleted")
@@ -93,6 +98,8 @@ class EditSession:
             cache = PositionedCache.from_model(self.model)
             extend(self.model, cache, new_ids[None])
             enc, reused = new_ids.numel(), 0
+        elif strat.base == "prefix":
+            cache, enc, reused = self._recompute_from(edits[0].start if edits else self.length, new_ids)
         else:
             if strat.k:
                 edits = widen(self.ids, edits, strat.k)
@@ -108,7 +115,17 @@ class EditSession:
                 enc += _attention_refresh(self.model, cache, stale_slots(pieces), new_ids, strat.ratio, strat.probe)
         dt = time.perf_counter() - t0
         self.ids, self.cache = new_ids, cache
-        return EditResult(str(strat), dt, int(enc), int(reused), len(edits))
+        name = str(strat) if asked.base != "auto" else f"{asked}->{strat}"
+        return EditResult(name, dt, int(enc), int(reused), len(edits))
+
+    def _recompute_from(self, first: int, new_ids: torch.Tensor) -> tuple[PositionedCache, int, int]:
+        """Exact prefix reuse: the slots before `first` (positions 0..first-1, untouched by every edit) are kept,
+        the new document from `first` on is encoded after them. Returns (cache, encoded, reused)."""
+        cache = self.cache.copy(headroom=max(0, new_ids.numel() - first))
+        cache.delete_(first, cache.num_slots)
+        if first < new_ids.numel():
+            extend(self.model, cache, new_ids[None, first:], positions=torch.arange(first, new_ids.numel()))
+        return cache, int(new_ids.numel() - first), first
 
     def apply_text(self, tokenizer: Any, new_text: str, strategy: str | Strategy = "pie",
                    add_special_tokens: bool = False, **overrides: Any) -> EditResult:

@@ -52,6 +52,18 @@ def _grown(old_cap: int, need: int) -> int:
     return cap
 
 
+def _alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device, fill: float | bool | None = None
+           ) -> torch.Tensor:
+    """torch.empty (or full, with `fill`) whose failure is a MemoryError naming the size (torch raises a RuntimeError)."""
+    try:
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return t if fill is None else t.fill_(fill)
+    except (RuntimeError, MemoryError) as e:
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        raise MemoryError(f"cache buffer: expected {n / 2**30:.2f} GiB for shape {list(shape)} {dtype}, got an "
+                          f"allocation failure ({type(e).__name__}); the cache is unchanged") from e
+
+
 def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int) -> list[torch.Tensor]:
     """New buffers of capacity `cap` along `dim` holding the first `valid` entries of each of `bufs`.
 
@@ -60,7 +72,7 @@ def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int) -> lis
     for b in bufs:
         shape = list(b.shape)
         shape[dim] = cap
-        new.append(torch.empty(shape, dtype=b.dtype, device=b.device))
+        new.append(_alloc(shape, b.dtype, b.device))
     for b, n in zip(bufs, new):
         n.narrow(dim, 0, valid).copy_(b.narrow(dim, 0, valid))
     return new
@@ -101,9 +113,9 @@ class SlotTable:
         """Make room for `need` slots (all-or-nothing)."""
         if self._pos is None:
             cap = _grown(0, need)
-            pos = torch.zeros(B, cap, dtype=torch.long, device=device)
-            vis = torch.ones(B, cap, dtype=torch.bool, device=device)
-            seg = torch.zeros(B, cap, dtype=torch.int32, device=device)
+            pos = _alloc((B, cap), torch.long, device, 0)
+            vis = _alloc((B, cap), torch.bool, device, True)
+            seg = _alloc((B, cap), torch.int32, device, 0)
             self._pos, self._vis, self._seg = pos, vis, seg
             return
         if need <= self.capacity:
@@ -190,9 +202,9 @@ class SlotLayer:
         if self.rot_k is None:
             B, H, _, D = like_k.shape
             cap = _grown(0, need)
-            rot = torch.empty(B, H, cap, D, dtype=like_k.dtype, device=like_k.device)
-            raw = torch.empty(B, H, cap, D, dtype=like_k.dtype if self.raw_dtype is None else self.raw_dtype, device=like_k.device)
-            v = torch.empty(B, H, cap, like_v.shape[-1], dtype=like_v.dtype, device=like_v.device)
+            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device)
+            raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device)
+            v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device)
             self.rot_k, self.raw_k, self.v = rot, raw, v
             return
         if need <= self.capacity:
@@ -597,17 +609,17 @@ class PositionedKV:
 
     def hide_(self, start: int, end: int) -> "PositionedKV":
         """Mask slots [start, end) out of attention (kept in memory; `unhide_` brings them back)."""
-        n = self._check_idle("hide_")
-        start, end = check_range("hide_", start, end, n)
-        if end > start:
-            self.table._vis[:, start:end] = False
-        return self
+        return self._set_visible("hide_", start, end, False)
 
     def unhide_(self, start: int, end: int) -> "PositionedKV":
-        n = self._check_idle("unhide_")
-        start, end = check_range("unhide_", start, end, n)
+        """Make slots [start, end) visible to attention again."""
+        return self._set_visible("unhide_", start, end, True)
+
+    def _set_visible(self, op: str, start: int, end: int, value: bool) -> "PositionedKV":
+        n = self._check_idle(op)
+        start, end = check_range(op, start, end, n)
         if end > start:
-            self.table._vis[:, start:end] = True
+            self.table._vis[:, start:end] = value
         return self
 
     def set_segment_(self, start: int, end: int, label: int) -> "PositionedKV":

@@ -189,20 +189,27 @@ def stale_slots(pieces: Sequence[Piece]) -> torch.Tensor:
 # edit strategies as data: one grammar for the session, the benchmarks and the command line
 # ---------------------------------------------------------------------------------------------------------------------
 
-BASES = ("full", "pie", "naive")
+BASES = ("full", "pie", "naive", "prefix", "auto")
 REPAIRS = ("blend", "attn")
-_GRAMMAR = re.compile(r"(?P<base>full|naive|pie)(?:\+k(?P<k>\d+)?)?(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?"
-                      r"(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?")
-_HELP = ("full | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] (P = percent of the stale "
-         "tokens, e.g. pie+k64+tail512, pie+attn25+probe32)")
+_GRAMMAR = re.compile(r"(?P<base>full|naive|pie|prefix|auto)(?:\+r(?P<r>\d+))?(?:\+k(?P<k>\d+)?)?"
+                      r"(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?")
+_HELP = ("full | prefix | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] | "
+         "auto[+r<R>][+k<K>][+tail<T>] (P = percent of the stale tokens, e.g. pie+k64+tail512, pie+attn25+probe32)")
+# auto's rule, fitted on a calibration split (seed 1), never on evaluated samples: results/pie_auto_calibration.md
+AUTO_PREFIX_MAX = 512     # recompute from the first edit (exact) when at most this many tokens follow it
+AUTO_K = 64               # otherwise PIE, re-encoding the K tokens after every edit ...
+AUTO_TAIL = 256           # ... and the last T tokens of the document
 
 
 @dataclass(frozen=True)
 class Strategy:
     """How an edit updates the cache.
 
-    base: "full" (re-encode the whole edited document), "pie" (keep untouched segments, move them by their shift,
-        encode only the new tokens), "naive" (conflict-fast reuse: splice without fixing positions).
+    base: "full" (re-encode the whole edited document), "prefix" (keep the KV before the first edited token and
+        recompute everything after it: exact, what vLLM / SGLang / llama.cpp do), "pie" (keep untouched segments,
+        move them by their shift, encode only the new tokens), "naive" (conflict-fast reuse: splice without fixing
+        positions), "auto" (per edit: prefix when at most `prefix_max` tokens follow the first edit, else pie with
+        k and tail; `resolve` gives the choice).
     k: pie also re-encodes the k untouched tokens after every edit.
     repair: None, "blend" (CacheBlend over the stale tokens: layers 0-1 refreshed for all, the `ratio` whose layer-1
         values moved most carried through every layer) or "attn" (the document's last `probe` tokens pick, by their
@@ -218,11 +225,12 @@ class Strategy:
     ratio: float = 0.0
     probe: int = 16
     tail: int = 0
+    prefix_max: int = 0
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
             fail("strategy", f"one of {BASES} as base ({_HELP})", repr(self.base))
-        for what in ("k", "probe", "tail"):
+        for what in ("k", "probe", "tail", "prefix_max"):
             v = getattr(self, what)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what == "probe" else 0):
                 fail(f"strategy {what}", "an int >= 1" if what == "probe" else "an int >= 0", v)
@@ -232,13 +240,16 @@ class Strategy:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
             fail("strategy ratio", "a fraction in [0, 1]", r)
         object.__setattr__(self, "ratio", float(r))
-        if self.base != "pie" and (self.k or self.repair):
+        if self.base not in ("pie", "auto") and self.k or self.base != "pie" and self.repair:
             fail(f"strategy {self.base}", "no +k or repair (they refine pie)", str(self._raw()))
-        if self.base == "full" and self.tail:
-            fail("strategy full", "no +tail (full re-encodes everything)", f"tail={self.tail}")
+        if self.base in ("full", "prefix") and self.tail:
+            fail(f"strategy {self.base}", "no +tail (it re-encodes everything after the edit)", f"tail={self.tail}")
+        if self.base != "auto" and self.prefix_max:
+            fail(f"strategy {self.base}", "no +r (the prefix threshold of auto)", f"prefix_max={self.prefix_max}")
 
     def _raw(self) -> str:
-        return f"{self.base} k={self.k} repair={self.repair} ratio={self.ratio} probe={self.probe} tail={self.tail}"
+        return (f"{self.base} k={self.k} repair={self.repair} ratio={self.ratio} probe={self.probe} tail={self.tail} "
+                f"prefix_max={self.prefix_max}")
 
     @classmethod
     def parse(cls, spec: "str | Strategy", **overrides: Any) -> "Strategy":
@@ -253,6 +264,10 @@ class Strategy:
         if m is None or (m["probe"] and m["repair"] != "attn"):
             fail("strategy", _HELP, repr(spec))
         kw: dict[str, Any] = {"base": m["base"]}
+        if m["base"] == "auto":
+            kw.update(prefix_max=AUTO_PREFIX_MAX, k=AUTO_K, tail=AUTO_TAIL)
+        if m["r"] is not None:
+            kw["prefix_max"] = int(m["r"])
         if "+k" in spec:
             kw["k"] = int(m["k"]) if m["k"] else 8
         if m["repair"]:
@@ -272,6 +287,8 @@ class Strategy:
 
     def __str__(self) -> str:
         out = self.base
+        if self.base == "auto":
+            return f"auto+r{self.prefix_max}+k{self.k}+tail{self.tail}"
         if self.k:
             out += f"+k{self.k}"
         if self.repair:
@@ -282,7 +299,7 @@ class Strategy:
             out += f"+tail{self.tail}"
         return out
 
-    def check(self, layer_types: Sequence[str] = ()) -> "Strategy":
+    def check(self, layer_types: Sequence[str] = ()) -> "Strategy":  # noqa: D102 - documented below
         """Refuse what a model with these layer types cannot do: the repairs re-encode chosen tokens in one forward
         under one 4-D mask, which cannot express sliding-window layers. Returns self."""
         sliding = sorted({t for t in layer_types if t != "full_attention"})
@@ -290,3 +307,19 @@ class Strategy:
             fail(f"strategy {self}", "a model with full-attention layers only (one 4-D mask per forward)",
                  f"layer types {sliding}", "use pie+k<K> / +tail<T> on sliding-window models")
         return self
+
+    def resolve(self, n: int, edits: Sequence[Replace]) -> "Strategy":
+        """The strategy `auto` uses for these edits of a document of n tokens (other strategies: themselves).
+
+        Rule: when at most `prefix_max` tokens of the NEW document follow the first edit, recompute from it
+        (prefix: exact, and cheap because little follows); otherwise PIE re-encoding the k tokens after every edit
+        and the last `tail` tokens (what a next-token prediction at the end reads most)."""
+        if self.base != "auto":
+            return self
+        norm = normalize(edits, n)
+        if not norm:
+            return Strategy("pie")
+        n_new = n + sum(e.delta for e in norm)
+        if n_new - norm[0].start <= self.prefix_max:
+            return Strategy("prefix")
+        return Strategy("pie", k=self.k, tail=self.tail)

@@ -59,7 +59,8 @@ def test_pie_eval_specs_name_the_session_call():
     assert names["pie+tail512"] == Strategy("pie", tail=512)
     assert names["pie+attn5+probe32"] == Strategy("pie", repair="attn", ratio=0.05, probe=32)
     assert names["pie+k"] == Strategy("pie", k=16) and names["naive"] == Strategy("naive")
-    assert list(names) == ["full", "pie", "naive", "pie+k", "pie+k16+tail256", "pie+tail512", "pie+attn5+probe32"]
+    assert list(names) == ["full", "prefix", "pie", "naive", "pie+k", "pie+k16+tail256", "pie+tail512",
+                           "pie+attn5+probe32"]
     for bad in ("pie+tail", "k16", "pie+tail256+k16", "pie+attn0", "pie+attn101", "pie+attn10+tail64+probe8"):
         with pytest.raises(SystemExit, match="--also"):
             pie_eval.strategy_names([16], also=(bad,))
@@ -90,19 +91,22 @@ def test_pie_eval_records_where_the_last_edit_sits_and_skips_on_request():
                 "task": "insertion"} for o in (near, far)]
     records: list = []
     res = pie_eval.run(model, tok, samples, [4], max_new=6, skip=("naive", "pie+k"), records=records)
-    assert list(res["insertion"]) == ["full", "pie"]
+    assert list(res["insertion"]) == ["full", "prefix", "pie"]
+    assert res["insertion"]["prefix"]["agree_full"] == 100.0 and res["insertion"]["prefix"]["mean_ratio_vs_prefix"] == 1.0
     after_near, after_far = len("\n".join(doc[11:])), len("\n".join(doc[2:]))   # characters after the lines
     assert records[0]["to_cursor"] in (after_near, after_near + 1)
     assert records[1]["to_cursor"] in (after_far, after_far + 1)
     assert records[0]["edits"] == records[1]["edits"] == 1
-    assert set(records[0]["pred"]) == {"full", "pie"}
+    assert set(records[0]["pred"]) == {"full", "prefix", "pie"}
+    assert records[0]["to_first"] < records[1]["to_first"]                   # the far edit leaves more to recompute
+    assert records[0]["tokens_encoded"]["prefix"] == records[0]["to_first"]
     rows = pie_eval.by_distance(records, bins=(0, 64))
     assert [(r["task"], r["to_cursor"], r["n"]) for r in rows] == [
         ("insertion", "[0,64)", 1), ("insertion", "[64,inf)", 1), ("all", "[0,64)", 1), ("all", "[64,inf)", 1)]
     for r, rec in zip(rows, records + records):
         assert r["pie"] == 100.0 * (rec["pred"]["pie"] == rec["pred"]["full"])
     names = [n for n, _ in pie_eval.strategy_names([16, 64], skip=("pie+k",), also=("pie+attn50",))]
-    assert names == ["full", "pie", "naive", "pie+attn50"]
+    assert names == ["full", "prefix", "pie", "naive", "pie+attn50"]
     with pytest.raises(SystemExit, match="--skip"):
         pie_eval.strategy_names([4], skip=("full",))
 

@@ -7,6 +7,7 @@ Outcomes per case: ok, clear error (ValueError/TypeError/store errors whose mess
 wrong (no error but an invariant broke), obscure error (any other exception or message), state corrupted (a failed
 call changed the cache or store). Every test fails on the last three.
 """
+import json
 import os
 import random
 import re
@@ -22,9 +23,9 @@ from kvpos.integrations.hf import PositionedCache, extend, generate
 from kvpos.integrations.hf.testing import tiny_model
 
 LONG = os.environ.get("KVPOS_FUZZ") == "long"
-EXAMPLES = 150 if LONG else 8
-DAMAGE = 3000 if LONG else 150
-CLEAR = (ValueError, TypeError, CorruptChunkError, FingerprintMismatch, StoreUnavailable)
+EXAMPLES = 600 if LONG else 8
+DAMAGE = 20000 if LONG else 150
+CLEAR = (ValueError, TypeError, MemoryError, CorruptChunkError, FingerprintMismatch, StoreUnavailable)
 _HOUSE = re.compile(r"^[^\n]*: expected .*, got ")
 FP = Fingerprint(model="m" * 64, weights="w" * 64, dtype="float32", anchor="a" * 64, rope="r" * 64)
 
@@ -392,3 +393,44 @@ def test_memory_backend_budget_holds_under_random_puts(fuzz_record):
         ok = mb.bytes <= mb.max_bytes and mb.bytes == sum(c.nbytes() for c in mb._d.values())
         fuzz_record("memory budget", "ok" if ok else "silent wrong")
         assert ok
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# crafted entries: re-signed (the checksum is no secret) with random field values
+# ---------------------------------------------------------------------------------------------------------------------
+
+field_text = st.one_of(st.text(max_size=12), st.sampled_from(["5", "-1", "5.0", "1e3", "99999999999999999999", "{}",
+                                                              "[]", "null", '{"a": 1}', FP.to_json(), "2", "1"]))
+
+
+@settings(max_examples=EXAMPLES * 10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start=field_text, meta=field_text, fingerprint=field_text, fmt=st.sampled_from(["2", "1", "3", "x"]),
+       shape=st.sampled_from(["ok", "ids_float", "values_short", "keys_int", "extra_tensor"]))
+def test_crafted_resigned_entries_are_verified_field_by_field(fuzz_record, start, meta, fingerprint, fmt, shape):
+    from safetensors.torch import save
+
+    from kvpos.store import _checksum, deserialize
+    c = _chunk(1)
+    t = {"ids": c.ids, "keys": c.raw_keys, "values": c.values}
+    if shape == "ids_float":
+        t["ids"] = c.ids.float()
+    elif shape == "values_short":
+        t["values"] = c.values[:, :, :2].contiguous()
+    elif shape == "keys_int":
+        t["keys"] = c.raw_keys.to(torch.int32)
+    elif shape == "extra_tensor":
+        t["extra"] = torch.zeros(1)
+    m = {"format": fmt, "start": start, "fingerprint": fingerprint, "meta": meta}
+    m["checksum"] = _checksum(t, m)
+    try:
+        got = deserialize(save(t, metadata=m))
+    except CorruptChunkError:
+        fuzz_record("crafted entries (re-signed)", "clear error")
+        return
+    except BaseException as e:  # noqa: BLE001
+        fuzz_record("crafted entries (re-signed)", "obscure error")
+        raise AssertionError(f"crafted entry raised {type(e).__name__}: {e}") from e
+    valid = (fmt == "2" and shape == "ok" and got.start == int(start)
+             and got.fingerprint == Fingerprint.from_json(fingerprint) and got.meta == json.loads(meta))
+    fuzz_record("crafted entries (re-signed)", "ok" if valid else "silent wrong")
+    assert valid and isinstance(got.meta, dict)

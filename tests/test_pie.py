@@ -272,3 +272,32 @@ def test_pie_blend_rejects_bad_ratio_and_sliding_models():
         gemma1.apply([Insert(2, [3])], "pie+blend")
     assert gemma1.length == 20
     assert g.length == 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", list(EDIT_SETS))
+def test_prefix_strategy_is_exact_and_encodes_only_what_follows_the_first_edit(arch, kind):
+    over = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]} \
+        if arch == "gemma3" else {}
+    model = tiny_model(arch, num_hidden_layers=3, **over)[0]
+    doc = _doc(5, 24)
+    full, pre = EditSession(model, doc), EditSession(model, doc)
+    full.apply(EDIT_SETS[kind], "full")
+    r = pre.apply(EDIT_SETS[kind], "prefix")
+    assert (_probe(full) - _probe(pre)).abs().max() < 1e-4
+    first = min(e.start for e in EDIT_SETS[kind])
+    assert r.tokens_encoded == pre.length - first and r.tokens_reused == first
+    assert pre.cache.positions.tolist() == [list(range(pre.length))]
+
+
+def test_auto_picks_prefix_when_little_follows_the_first_edit_and_pie_otherwise():
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    doc = _doc(6, 40)
+    near = EditSession(model, doc).apply([Insert(36, [5, 6])], "auto+r8+k2+tail3")
+    far = EditSession(model, doc).apply([Insert(3, [5, 6])], "auto+r8+k2+tail3")
+    assert near.strategy == "auto+r8+k2+tail3->prefix" and near.tokens_encoded == 42 - 36
+    assert far.strategy == "auto+r8+k2+tail3->pie+k2+tail3"
+    full, auto = EditSession(model, doc), EditSession(model, doc)
+    full.apply([Insert(36, [5, 6])], "full")
+    auto.apply([Insert(36, [5, 6])], "auto+r8")
+    assert (_probe(full) - _probe(auto)).abs().max() < 1e-4          # the prefix branch is exact
