@@ -392,7 +392,8 @@ def main() -> None:
     records: list[dict] = []
 
     def report(res: dict, partial: bool = False) -> None:
-        payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "partial": partial,
+        payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "seed": a.seed,
+                   "partial": partial,
                    "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
                    "also": a.also, "skip": a.skip,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
