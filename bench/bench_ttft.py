@@ -14,7 +14,9 @@ Methods:
   kvpos_seq_link{k}    + the first k tokens of every chunk after the first re-encoded in context (EPIC)
   kvpos_parallel       chunks share one position range after the anchor
   kvpos_selective{r}   + layers 0-1 recomputed for all tokens and r% of tokens carried through all layers (CacheBlend)
-  (ape)                with --ape: parallel layout + APE attention (issue 3; same cost as kvpos_parallel + merge)
+  (ape)                with --ape: parallel layout + APE attention (same cost as kvpos_parallel + merge)
+  kvpos_seq_attn{r}    with --attn r: the question's attention over the composed cache picks r of the chunk tokens,
+                       re-encoded in context (all layers) before the question runs
 Look at: speedup_vs_full of kvpos_seq at 4k and 8k (target >= 10x) and the first-token agreement column.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers import DynamicCache
 from _common import machine, markdown_table, plot, write_outputs
 from kvpos.data import passages
 from kvpos.integrations.ape import ApeBackend
-from kvpos.integrations.compose import ChunkComposer
+from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
 from kvpos.integrations.hf import extend, load_model
 from kvpos.integrations.rag import ChatPromptBuilder
 
@@ -78,6 +80,11 @@ def main() -> None:
     ap.add_argument("--link-k", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.15, help="selective recompute ratio (CacheBlend)")
     ap.add_argument("--ape", action="store_true", help="also time the APE method (parallel + APE attention)")
+    ap.add_argument("--attn", type=float, nargs="*", default=[],
+                    help="also time kvpos_seq_attn<r>: the question's attention picks r of the chunk tokens to re-encode")
+    ap.add_argument("--single-message", action="store_true",
+                    help="all passages in one user message (default: one user message per passage)")
+    ap.add_argument("--only", nargs="*", default=None, help="time only these methods (full and prefix_cache always)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -86,13 +93,16 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    builder = ChatPromptBuilder(tok)
+    builder = ChatPromptBuilder(tok, turns=not a.single_message)
     cc = ChunkComposer(model, builder.anchor_ids)
     _full(model, builder.anchor_ids[None])  # warm-up
     methods = ["full", "prefix_cache", "kvpos_seq", f"kvpos_seq_link{a.link_k}", "kvpos_parallel",
                f"kvpos_selective{int(a.ratio * 100)}"]
     if a.ape:
         methods.append("ape")
+    methods += [f"kvpos_seq_attn{round(100 * r)}" for r in a.attn]
+    if a.only is not None:
+        methods = [m for m in methods if m in ("full", "prefix_cache") or m in a.only]
     rows = []
     for cfg in a.configs:
         ctx, n_chunks = (int(x) for x in cfg.split(":"))
@@ -111,8 +121,12 @@ def main() -> None:
         assert (got - ref).abs().max() < 1e-3, "prefix-cache reuse must equal full prefill"
         ref_tok = int(ref.argmax())
 
-        def kv(layout, link_k=0, ratio=0.0, ape=False):
-            cache, _ = cc.compose([chunks[i] for i in order], layout=layout, link_k=link_k, recompute_ratio=ratio)
+        def kv(layout, link_k=0, ratio=0.0, ape=False, attn=0.0):
+            req = [chunks[i] for i in order]
+            cache, info = cc.compose(req, layout=layout, link_k=link_k, recompute_ratio=ratio)
+            if attn:
+                slots = info.plan.chunk_slots()
+                query_aware_refresh(model, cache, slots, torch.cat(req), q, attn, info.plan.allowed()[slots])
             return extend(model, cache, q[None], attention=ApeBackend() if ape else None)[:, -1]
 
         fns = {"full": lambda: _full(model, ids), "prefix_cache": lambda: _prefix(model, prev, prev_ids, ids)[0],
@@ -120,7 +134,8 @@ def main() -> None:
                f"kvpos_seq_link{a.link_k}": lambda: kv("sequential", link_k=a.link_k),
                "kvpos_parallel": lambda: kv("parallel"),
                f"kvpos_selective{int(a.ratio * 100)}": lambda: kv("sequential", ratio=a.ratio),
-               "ape": lambda: kv("parallel", ape=True)}
+               "ape": lambda: kv("parallel", ape=True),
+               **{f"kvpos_seq_attn{round(100 * r)}": (lambda r=r: kv("sequential", attn=r)) for r in a.attn}}
         times: dict[str, list[float]] = {m: [] for m in methods}
         first: dict[str, int] = {}
         for rep in tqdm(range(a.reps), desc=f"ttft {total} tokens / {n_chunks} chunks", file=sys.stdout):
@@ -129,15 +144,18 @@ def main() -> None:
                 logits = fns[m]()
                 times[m].append(time.perf_counter() - t)
                 first[m] = int(logits.argmax())
-        base = statistics.median(times["full"])
+        base, pre = statistics.median(times["full"]), statistics.median(times["prefix_cache"])
         for m in methods:
             med = statistics.median(times[m])
             rows.append({"context_tokens": total, "chunks": n_chunks, "method": m, "ttft_s": med,
-                         "speedup_vs_full": base / med, "first_token_agrees": first[m] == ref_tok,
+                         "speedup_vs_full": base / med, "ttft_vs_prefix": med / pre,
+                         "first_token_agrees": first[m] == ref_tok,
                          **({"reused_prefix_tokens": lcp} if m == "prefix_cache" else {})})
-    table = markdown_table(rows, ["context_tokens", "chunks", "method", "ttft_s", "speedup_vs_full",
-                                  "first_token_agrees"], {"ttft_s": ".3f", "speedup_vs_full": ".1f"})
-    payload = {"model": getattr(model, "name_or_path", "?"), "reps": a.reps, "machine": machine(), "rows": rows}
+    table = markdown_table(rows, ["context_tokens", "chunks", "method", "ttft_s", "speedup_vs_full", "ttft_vs_prefix",
+                                  "first_token_agrees"], {"ttft_s": ".3f", "speedup_vs_full": ".1f",
+                                                          "ttft_vs_prefix": ".3f"})
+    payload = {"model": getattr(model, "name_or_path", "?"), "reps": a.reps, "single_message": a.single_message,
+               "machine": machine(), "rows": rows}
     write_outputs(a.json, payload, table)
     png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")
     series = {m: ([r["context_tokens"] for r in rows if r["method"] == m], [r["ttft_s"] for r in rows if r["method"] == m])

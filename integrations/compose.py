@@ -22,11 +22,12 @@ from kvpos._checks import as_token_ids, check_fraction, fail
 from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_ANCHOR, SEG_CHUNK0, SEG_QUERY, LayoutPlan, plan_layout
 from kvpos.store import ChunkKV, ChunkStore, MemoryBackend, WeightsDigest, model_fingerprint
-from kvpos.integrations.hf import PositionedCache, additive_mask, extend
+from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, additive_mask, bind_attention, extend
 from kvpos.integrations.hf.run import decoder_parts, run_decoder_layers
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkComposer", "compose", "ComposeInfo",
-           "encode_chunk", "recompute_slots", "blend_recompute"]
+           "encode_chunk", "recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of",
+           "query_aware_refresh"]
 
 
 def _ids1d(what: str, ids: Any) -> torch.Tensor:
@@ -251,3 +252,61 @@ def blend_recompute(model: torch.nn.Module, cache: PositionedKV, slots: torch.Te
     with cache.overwriting(slots[sel]):
         run_decoder_layers(layers, n_first, len(layers), hidden[:, sel], pos[:, sel], mask[:, :, sel], cache, rotary)
     return n_sel
+
+
+class AttentionMassProbe:
+    """Attention backend for pie+attn: eager attention (the same numbers as transformers' eager implementation),
+    recording per layer the attention probabilities of the query rows over the first `n_keys` slots, averaged over
+    query heads and rows (`mass`, one [n_keys] float32 tensor per layer)."""
+
+    needs_cache = False
+
+    def __init__(self, n_keys: int) -> None:
+        self.n_keys = n_keys
+        self.mass: list[torch.Tensor] = []
+
+    def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
+        q, k, v = call.query, call.key, call.value
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        w = torch.matmul(q, k.transpose(2, 3)) * call.scaling
+        if call.mask is not None:
+            m = call.mask[..., -k.shape[2]:]
+            w = w + m if m.dtype != torch.bool else w.masked_fill(~m, torch.finfo(w.dtype).min)
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=(0, 1)))
+        return torch.matmul(w, v).transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def attention_mass_of(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+    """How much tokens `probe_ids` [q], placed after the cache (at `positions` [q], default next_position()..),
+    read each cached slot: their attention probabilities over the N slots (hidden ones get 0), averaged over
+    layers, query heads and probe rows. The cache is left as it was (the probe's slots are cropped). Returns [N]."""
+    N = cache.num_slots
+    if N == 0 or probe_ids.numel() == 0:
+        fail("attention_mass_of", "a non-empty cache and probe", f"{N} slots, {probe_ids.numel()} probe tokens")
+    probe = AttentionMassProbe(N)
+    try:
+        extend(model, cache, probe_ids.reshape(1, -1), positions=positions, attention=probe)
+    finally:
+        cache.crop(N - cache.num_slots)
+    return torch.stack(probe.mass).mean(0)
+
+
+def query_aware_refresh(model: torch.nn.Module, cache: PositionedKV, candidates: torch.Tensor, ids: torch.Tensor,
+                        probe_ids: torch.Tensor, ratio: float, allowed: torch.Tensor) -> int:
+    """Re-encode (all layers, one forward, in place) the `ratio` of the `candidates` slots [C] (token ids [C]) that
+    the probe tokens [q] (e.g. the question) read most, each attending where allowed[c] [C, N] is True. Returns the
+    number of tokens re-encoded."""
+    ratio = check_fraction("query_aware_refresh ratio", ratio)
+    n_sel = int(round(ratio * candidates.numel()))
+    if n_sel == 0:
+        return 0
+    if n_sel < candidates.numel():
+        mass = attention_mass_of(model, cache, probe_ids)
+        pick = torch.topk(mass[candidates], n_sel).indices.sort().values
+    else:
+        pick = torch.arange(candidates.numel())
+    return recompute_slots(model, cache, candidates[pick], ids[pick], allowed[pick])

@@ -40,11 +40,10 @@ from kvpos._checks import as_token_ids, check_int, fail
 from kvpos.cache import PositionedKV
 from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, normalize, plan, stale_slots, widen, \
     with_tail
-from kvpos.integrations.compose import blend_recompute, recompute_slots
-from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, additive_mask, bind_attention, extend, \
-    generate
+from kvpos.integrations.compose import AttentionMassProbe, blend_recompute, recompute_slots
+from kvpos.integrations.hf import PositionedCache, additive_mask, bind_attention, extend, generate
 
-__all__ = ["EditSession", "EditResult", "attention_mass", "AttentionMassProbe"]
+__all__ = ["EditSession", "EditResult", "attention_mass"]
 
 
 @dataclass
@@ -200,30 +199,6 @@ class EditSession:
         gen_kwargs.setdefault("do_sample", False)
         out = generate(self.model, cache, last, positions=pos, max_new_tokens=max_new_tokens, **gen_kwargs)
         return out[0, 1:]
-
-
-class AttentionMassProbe:
-    """Attention backend for pie+attn: eager attention (the same numbers as transformers' eager implementation),
-    recording per layer the attention probabilities of the query rows over the first `n_keys` slots, averaged over
-    query heads and rows (`mass`, one [n_keys] float32 tensor per layer)."""
-
-    needs_cache = False
-
-    def __init__(self, n_keys: int) -> None:
-        self.n_keys = n_keys
-        self.mass: list[torch.Tensor] = []
-
-    def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
-        q, k, v = call.query, call.key, call.value
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        w = torch.matmul(q, k.transpose(2, 3)) * call.scaling
-        if call.mask is not None:
-            m = call.mask[..., -k.shape[2]:]
-            w = w + m if m.dtype != torch.bool else w.masked_fill(~m, torch.finfo(w.dtype).min)
-        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=(0, 1)))
-        return torch.matmul(w, v).transpose(1, 2).contiguous()
 
 
 def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, ids: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,10 @@ from kvpos._checks import check_fraction, fail
 from kvpos.ape import ApeParams
 from kvpos.compose import LAYOUTS
 from kvpos.integrations.ape import ApeBackend
-from kvpos.integrations.compose import ChunkComposer
-from kvpos.integrations.hf import extend, generate
+from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
+from kvpos.integrations.hf import PositionedCache, extend, generate
 
-__all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer"]
+__all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "FULL", "PREFIX"]
 
 _SENTINEL = "\u2063KVPOS_CONTENT\u2063"
 
@@ -95,33 +95,46 @@ class ChatPromptBuilder:
 
 @dataclass(frozen=True)
 class RagMethod:
-    """How a request is answered: "full" (plain prefill of the whole prompt, no reuse) or chunk reuse with a
-    layout, optional repairs (link_k, recompute_ratio) and optional APE attention (ape: ApeParams)."""
+    """How a request is answered.
+
+    layout "full": plain prefill of the whole prompt (no reuse); "prefix": exact prefix reuse as serving engines do
+    it (the KV of the longest common token prefix with the previous prefix request is kept, the rest recomputed);
+    "sequential" / "parallel": position-independent chunk reuse, with optional repairs: link_k (EPIC), recompute_ratio
+    (CacheBlend), attn_ratio (query-aware: the question's attention over the composed cache picks that fraction of
+    the chunk tokens, re-encoded in context before the question runs) and optional APE attention (ape: ApeParams)."""
 
     name: str
-    layout: str = "sequential"           # "full", "sequential" or "parallel"
+    layout: str = "sequential"
     link_k: int = 0
     recompute_ratio: float = 0.0
     ape: ApeParams | None = None
+    attn_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.layout not in ("full", *LAYOUTS):
-            fail(f"RagMethod {self.name} layout", f"'full' or one of {LAYOUTS}", repr(self.layout))
+        if self.layout not in ("full", "prefix", *LAYOUTS):
+            fail(f"RagMethod {self.name} layout", f"'full', 'prefix' or one of {LAYOUTS}", repr(self.layout))
         if isinstance(self.link_k, bool) or not isinstance(self.link_k, int) or self.link_k < 0:
             fail(f"RagMethod {self.name} link_k", "an int >= 0", self.link_k)
         object.__setattr__(self, "recompute_ratio", check_fraction(f"RagMethod {self.name} recompute_ratio",
                                                                    self.recompute_ratio))
+        object.__setattr__(self, "attn_ratio", check_fraction(f"RagMethod {self.name} attn_ratio", self.attn_ratio))
         if self.ape is not None and not isinstance(self.ape, ApeParams):
             fail(f"RagMethod {self.name} ape", "None or an ApeParams", type(self.ape).__name__, exc=TypeError)
-        if self.layout == "full" and (self.link_k or self.recompute_ratio or self.ape is not None):
-            fail(f"RagMethod {self.name}", "no repairs or APE with layout='full' (nothing is reused)", self)
+        if self.layout in ("full", "prefix") and (self.link_k or self.recompute_ratio or self.attn_ratio
+                                                  or self.ape is not None):
+            fail(f"RagMethod {self.name}", f"no repairs or APE with layout={self.layout!r} (it is exact)", self)
+        if self.attn_ratio and self.layout != "sequential":
+            fail(f"RagMethod {self.name} attn_ratio", "layout='sequential' (re-encoded tokens attend to everything "
+                 "before them)", repr(self.layout))
 
     @property
     def reuses(self) -> bool:
-        return self.layout != "full"
+        """True when chunks are composed from the store (not full, not prefix)."""
+        return self.layout in LAYOUTS
 
 
 FULL = RagMethod("full", layout="full")
+PREFIX = RagMethod("prefix", layout="prefix")
 
 
 @dataclass
@@ -157,6 +170,7 @@ class RagPipeline:
         self.composer = ChunkComposer(model, self.builder.anchor_ids, store=store, backend=backend,
                                       namespace=namespace, **store_kw)
         self.method = RagMethod("default", layout, link_k if layout == "sequential" else 0, recompute_ratio)
+        self._prefix: tuple[torch.Tensor, PositionedCache] | None = None   # the last prefix request: ids, prompt KV
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
@@ -164,7 +178,39 @@ class RagPipeline:
     def _request(self, parts: PromptParts, method: RagMethod) -> tuple[Any, Any]:
         cache, info = self.composer.compose(parts.chunks, layout=method.layout, link_k=method.link_k,
                                             recompute_ratio=method.recompute_ratio)
+        if method.attn_ratio:
+            plan = info.plan
+            slots = plan.chunk_slots()
+            ids = torch.cat(parts.chunks)
+            n = query_aware_refresh(self.model, cache, slots, ids, parts.question, method.attn_ratio,
+                                    plan.allowed()[slots])
+            info.tokens_computed += n
+            info.tokens_reused -= n
         return cache, info
+
+    def prime_prefix(self, parts: PromptParts) -> None:
+        """Prefill a request's prompt and keep its KV as the prefix cache the next "prefix" request reuses from
+        (what a serving engine keeps from the previous request)."""
+        cache = PositionedCache.from_model(self.model)
+        ids = parts.full_ids()[0]
+        extend(self.model, cache, ids[None])
+        self._prefix = (ids, cache)
+
+    def _prefix_request(self, ids: torch.Tensor) -> tuple[PositionedCache, torch.Tensor, int]:
+        """(cache holding ids, logits of the recomputed tail, tokens reused): the longest common prefix with the last
+        prefix request is kept, the rest recomputed (exact)."""
+        lcp = 0
+        if self._prefix is not None:
+            prev_ids, prev = self._prefix
+            n = min(prev_ids.numel(), ids.numel())
+            diff = (prev_ids[:n] != ids[:n]).nonzero()
+            lcp = min(int(diff[0]) if diff.numel() else n, ids.numel() - 1)
+            cache = prev.copy(headroom=ids.numel() - lcp)
+            cache.crop(lcp - cache.num_slots)
+        else:
+            cache = PositionedCache.from_model(self.model)
+        logits = extend(self.model, cache, ids[None, lcp:])
+        return cache, logits, lcp
 
     def _attention(self, method: RagMethod) -> ApeBackend | None:
         return ApeBackend(method.ape) if method.ape is not None else None
@@ -175,7 +221,7 @@ class RagPipeline:
         built by `method` from a fresh cache: the first-token distribution is row Q - 1."""
         extra = torch.zeros(0, dtype=torch.long) if extra is None else torch.as_tensor(extra, dtype=torch.long)
         q = torch.cat([parts.question, extra])
-        if not method.reuses:
+        if not method.reuses:                  # full and prefix are exact: the same logits
             ids = torch.cat([parts.full_ids(), extra[None]], 1)
             return self.model(ids).logits[:, ids.shape[1] - q.numel():]
         cache, _ = self._request(parts, method)
@@ -188,21 +234,26 @@ class RagPipeline:
         t0 = time.perf_counter()
         eos = self.tok.eos_token_id
         if not method.reuses:
-            ids = parts.full_ids()
-            out = self.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
-            gen = out[0, ids.shape[1]:].tolist()
-            return RagAnswer(self._decode(gen), gen, {"method": method.name, "tokens_computed": ids.shape[1],
+            ids = parts.full_ids()[0]
+            if method.layout == "prefix":
+                cache, logits, reused = self._prefix_request(ids)
+            else:
+                cache, reused = PositionedCache.from_model(self.model), 0
+                logits = extend(self.model, cache, ids[None])
+            first = int(logits[0, -1].argmax())
+            ttft = time.perf_counter() - t0
+            if method.layout == "prefix":
+                self._prefix = (ids, cache.copy())
+            gen = self._continue(cache, first, max_new_tokens, None)
+            return RagAnswer(self._decode(gen), gen, {"method": method.name, "tokens_computed": ids.numel() - reused,
+                                                      "tokens_reused": reused, "ttft_s": ttft,
                                                       "total_s": time.perf_counter() - t0})
         cache, info = self._request(parts, method)
         attention = self._attention(method)
         logits = extend(self.model, cache, parts.question[None], attention=attention)
         first = int(logits[0, -1].argmax())
         ttft = time.perf_counter() - t0
-        ids = [first]
-        if max_new_tokens > 1 and first != eos:
-            out = generate(self.model, cache, torch.tensor([[first]]), attention=attention,
-                           max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=eos)
-            ids += out[0, 1:].tolist()
+        ids = self._continue(cache, first, max_new_tokens, attention)
         report = {"method": method.name, "chunks_hit": info.hits, "chunks_missed": info.misses,
                   "tokens_computed": info.tokens_computed + parts.question.numel(),
                   "tokens_reused": info.tokens_reused + parts.anchor.numel(), "layout": method.layout,
@@ -210,6 +261,16 @@ class RagPipeline:
                   "compose_s": info.compose_s, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
                   "store": asdict(self.composer.store.stats) | {"events": []}}
         return RagAnswer(self._decode(ids), ids, report)
+
+    def _continue(self, cache: PositionedCache, first: int, max_new_tokens: int, attention: Any) -> list[int]:
+        """Greedy tokens after the first one (which is not yet in the cache), up to max_new_tokens in all."""
+        ids = [first]
+        eos = self.tok.eos_token_id
+        if max_new_tokens > 1 and first != eos:
+            out = generate(self.model, cache, torch.tensor([[first]]), attention=attention,
+                           max_new_tokens=max_new_tokens - 1, do_sample=False, pad_token_id=eos)
+            ids += out[0, 1:].tolist()
+        return ids
 
     def answer(self, passages: Sequence[str], question: str, max_new_tokens: int = 48, **overrides: Any) -> RagAnswer:
         """Greedy answer using cached chunks (computed and stored on a miss). overrides: layout / link_k /
