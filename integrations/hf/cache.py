@@ -70,7 +70,7 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = True
-    supports_early_init = False
+    supports_early_init = True
 
     def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None) -> None:
         SlotLayer.__init__(self, spec, raw_dtype)  # CacheLayerMixin.__init__ would overwrite the keys/values views
@@ -83,10 +83,26 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
 
     @property
     def device(self) -> torch.device:
+        """The device the layer computes on (where `prefetch` brings offloaded buffers back)."""
+        home = getattr(self, "_home", None)
+        if home is not None:
+            return home
         return self.rot_k.device if self.rot_k is not None else torch.device("cpu")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.reserve(key_states, value_states, 0)
+
+    def offload(self) -> None:
+        """Move this layer's buffers to CPU (transformers' layer offloading); `prefetch` brings them back."""
+        if self.rot_k is not None:
+            self._home = self.device
+            self.rot_k, self.raw_k, self.v = (t.to("cpu", non_blocking=True) for t in (self.rot_k, self.raw_k, self.v))
+
+    def prefetch(self) -> None:
+        """Bring offloaded buffers back to the layer's device."""
+        if self.rot_k is not None and self.rot_k.device != self.device:
+            d = self.device
+            self.rot_k, self.raw_k, self.v = (t.to(d, non_blocking=True) for t in (self.rot_k, self.raw_k, self.v))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +147,16 @@ class PositionedCache(PositionedKV, Cache):
     """
 
     def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: Any = None,
-                 model_id: str | None = None) -> None:
-        """Prefer `from_model(model)`: it reads the specs and binds the cache to that model (origin)."""
+                 model_id: str | None = None, offloading: bool = False) -> None:
+        """Prefer `from_model(model)`: it reads the specs and binds the cache to that model (origin).
+
+        offloading: keep every layer but the one computing on CPU (transformers' offloading=True; on a CPU-only
+        machine it moves nothing). Position operations bring every layer back first."""
         PositionedKV.__init__(self, specs, raw_dtype, origin)
         Cache.__init__(self, layers=self.layers)
+        if not isinstance(offloading, bool):
+            fail("PositionedCache offloading", "a bool", type(offloading).__name__, exc=TypeError)
+        self.offloading = offloading
         self.model_id = model_id
         self._limited = any(s.max_exact_position is not None for s in self.specs)
 
@@ -142,7 +164,19 @@ class PositionedCache(PositionedKV, Cache):
         return PositionedLayer(self, index, spec, self.raw_dtype)
 
     def empty_like(self) -> "PositionedCache":
-        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id)
+        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading)
+
+    def __iter__(self):
+        """Per layer (rotated keys [B, H, T, D], values, None): what DynamicCache yields, so that
+        DynamicCache(ddp_cache_data=iter(cache)) rebuilds a plain cache (the data-parallel path)."""
+        for l in self.layers:
+            yield l.keys, l.values, None
+
+    def _check_idle(self, op: str) -> int:
+        if self.offloading:
+            for l in self.layers:
+                l.prefetch()
+        return PositionedKV._check_idle(self, op)
 
     def __bool__(self) -> bool:
         """False for a model whose RoPE frequencies change with length (dynamic, longrope): transformers' Phi-3
@@ -183,13 +217,18 @@ class PositionedCache(PositionedKV, Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new slots of layer `layer_idx`: k [B, H, S, D] already rotated by the model; returns all
         (rotated keys, values) of the layer."""
+        if self.offloading:
+            self.layers[layer_idx].prefetch()
         fw = self._forward
         B, S = key_states.shape[0], key_states.shape[2]
         if fw is not None and layer_idx not in fw.done and self._overwrite is None and fw.S == S:
             pos = fw.pos                                     # a later layer of the running forward
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
-        return self.write_rotated_(layer_idx, key_states, value_states, pos)
+        out = self.write_rotated_(layer_idx, key_states, value_states, pos)
+        if self.offloading and layer_idx > 0:
+            self.layers[layer_idx - 1].offload()          # attention of layer_idx - 1 is done: its KV can leave
+        return out
 
     def _forward_note(self, index: int) -> _ForwardNote | None:
         """The running forward's note (consumed); refuses a forward of another model than this cache's."""
