@@ -364,6 +364,7 @@ class Backend(Protocol):
     def get(self, key: str) -> ChunkKV | None: ...
     def put(self, key: str, chunk: ChunkKV) -> bool: ...
     def delete(self, key: str) -> None: ...
+    def contains(self, key: str) -> bool: ...
 
 
 class MemoryBackend:
@@ -421,6 +422,10 @@ class MemoryBackend:
             if c is not None:
                 self.bytes -= c.nbytes()
 
+    def contains(self, key: str) -> bool:
+        """Whether an entry is held under `key` (not verified: `get` verifies)."""
+        return check_key(key) in self._d
+
 
 class DiskBackend:
     """One safetensors file per entry under `root`; atomic writes (temp file + fsync + rename). Keys are
@@ -473,6 +478,10 @@ class DiskBackend:
             os.unlink(self.path(key))
         except FileNotFoundError:
             pass
+
+    def contains(self, key: str) -> bool:
+        """Whether a file is held under `key` (not verified: `get` verifies)."""
+        return os.path.exists(self.path(key))
 
 
 class RedisBackend:
@@ -541,6 +550,10 @@ class RedisBackend:
     def delete(self, key: str) -> None:
         self._call("delete", self.client.delete, self.prefix + check_key(key))
 
+    def contains(self, key: str) -> bool:
+        """Whether the server holds `key` (not verified: `get` verifies)."""
+        return bool(self._call("exists", self.client.exists, self.prefix + check_key(key)))
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the store
@@ -604,6 +617,18 @@ class ChunkStore:
 
     def key(self, ids: torch.Tensor) -> str:
         return content_key(ids, self.namespace)
+
+    def contains(self, ids: torch.Tensor) -> bool:
+        """Whether an entry for `ids` is stored (cheap, not verified; `get` verifies and may still miss). An
+        unavailable backend answers False under on_unavailable='recompute'."""
+        key = self.key(ids)
+        try:
+            return self.backend.contains(key)
+        except StoreUnavailable as e:
+            if self.on_unavailable == "error":
+                raise
+            self.stats.note("unavailable", key, str(e))
+            return False
 
     def get(self, ids: torch.Tensor) -> ChunkKV | None:
         """The stored chunk for `ids`, or None (miss). See the class docstring for mismatches and damage."""

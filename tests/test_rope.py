@@ -149,3 +149,12 @@ def test_fused_kernel_equals_torch_path(spec, dtype, monkeypatch):
         assert (fast - slow).abs().max() < 1e-5
     else:  # both round a float32 result once; they may differ by one bf16 ulp where float32 sums differ
         assert ((fast.float() - slow.float()).abs() <= slow.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS + LIMITED_ARCHS)
+def test_specs_from_a_config_alone_equal_those_of_the_loaded_model(arch):
+    from kvpos.integrations.hf.models import rope_specs_from_config
+    model, cfg = tiny_model(arch)
+    a, b = rope_specs_from_config(cfg), rope_specs_from_model(model)
+    assert [s.key() for s in a] == [s.key() for s in b]
+    assert [s.max_exact_position for s in a] == [s.max_exact_position for s in b]

@@ -178,3 +178,12 @@ def test_chunk_store_with_a_real_model_fingerprint(tmp_path):
     c = ChunkComposer(model.to(torch.bfloat16), torch.tensor([1, 5, 6]), backend=backend)
     with pytest.raises(FingerprintMismatch, match="dtype=bfloat16"):
         c.get_or_compute(ids)
+
+
+@pytest.mark.parametrize("name", ["memory", "disk", "redis"])
+def test_contains_answers_without_loading(tmp_path, redis_server, name):
+    store = ChunkStore(_backends(tmp_path, redis_server)[name], FP, namespace=f"has-{name}")
+    c = _chunk(11)
+    assert not store.contains(c.ids)
+    store.put(c)
+    assert store.contains(c.ids) and not store.contains(c.ids[:-1])
