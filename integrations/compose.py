@@ -23,7 +23,7 @@ from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_ANCHOR, SEG_CHUNK0, SEG_QUERY, LayoutPlan, plan_layout
 from kvpos.store import ChunkKV, ChunkStore, MemoryBackend, WeightsDigest, model_fingerprint
 from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, additive_mask, bind_attention, extend
-from kvpos.integrations.hf.run import decoder_parts, run_decoder_layers
+from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, run_decoder_layers
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkComposer", "compose", "ComposeInfo",
            "encode_chunk", "recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of",
@@ -222,7 +222,8 @@ def recompute_slots(model: torch.nn.Module, cache: PositionedKV, slots: torch.Te
     mask = additive_mask(allowed[:, :cache.num_slots], next(model.parameters()).dtype)[None, None]
     pos = cache.positions[:, slots]
     with cache.overwriting(slots):
-        model(input_ids=ids[None], position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+        model(input_ids=ids[None], position_ids=pos, attention_mask=mask, use_cache=True,
+              **{cache_kwarg(model.forward): cache})
     return int(slots.numel())
 
 

@@ -42,6 +42,7 @@ from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, norm
     with_tail
 from kvpos.integrations.compose import AttentionMassProbe, blend_recompute, recompute_slots
 from kvpos.integrations.hf import PositionedCache, additive_mask, bind_attention, extend, generate
+from kvpos.integrations.hf.run import cache_kwarg
 
 __all__ = ["EditSession", "EditResult", "attention_mass"]
 
@@ -216,8 +217,8 @@ def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, id
     mask = additive_mask(allowed, next(model.parameters()).dtype)[None, None]
     probe = AttentionMassProbe(N - q)
     with bind_attention(model, probe):
-        model(input_ids=ids[None, N - q:], position_ids=cache.positions[:, N - q:], attention_mask=mask, cache=c,
-              use_cache=True)
+        model(input_ids=ids[None, N - q:], position_ids=cache.positions[:, N - q:], attention_mask=mask,
+              use_cache=True, **{cache_kwarg(model.forward): c})
     if not probe.mass:
         fail("pie+attn model", "attention calls through kvpos's attention binding", "none")
     return torch.stack(probe.mass).mean(0)

@@ -260,6 +260,7 @@ class _Overwrite:
 
     slots: torch.Tensor
     saved: dict = field(default_factory=dict)      # layer index -> (rot, raw, v) of the slots before the write
+    pos: torch.Tensor | None = None                # positions of the running recompute forward (first layer's)
 
 
 class PositionedKV:
@@ -521,6 +522,7 @@ class PositionedKV:
         held = self.table.pos[:, ow.slots.to(self.table.pos.device)]
         if tuple(pos.shape) != tuple(held.shape) or not torch.equal(held, pos.to(held.device)):
             fail(f"write layer {index} (overwrite)", "the positions the slots hold", pos.tolist())
+        ow.pos = pos
         cos, sin = cos_sin(pos, l.spec, device=k.device)
         raw = _apply(k, cos[:, None], -sin[:, None], l.spec, 1.0 / l.spec.attention_scaling)
         idx = ow.slots.to(l.rot_k.device)

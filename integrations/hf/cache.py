@@ -253,6 +253,8 @@ class PositionedCache(PositionedKV, Cache):
         pos = inner.get("position_ids") if isinstance(inner, dict) else None
         if pos is None and note is not None:
             pos = note.positions
+        if pos is None and self._overwrite is not None and self._overwrite.pos is not None:
+            pos = self._overwrite.pos                        # a later layer of a recompute forward
         if pos is None:
             fail(f"cache.update layer {index}: position_ids", "the positions of the new keys (passed by the model "
                  "or recorded from its rotary module)", None, "build the cache with PositionedCache.from_model(model)")

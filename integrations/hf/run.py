@@ -24,7 +24,16 @@ from kvpos.cache import PositionedKV
 
 from .attention import AttentionBackend, bind_attention
 
-__all__ = ["extend", "generate", "forward_reference", "additive_mask", "decoder_parts", "run_decoder_layers"]
+__all__ = ["extend", "generate", "forward_reference", "additive_mask", "decoder_parts", "run_decoder_layers",
+           "cache_kwarg"]
+
+
+def cache_kwarg(fn: Any) -> str:
+    """The name under which `fn` (a model's forward, a decoder layer's forward) takes the cache: "cache" from
+    transformers 5.20 on, "past_key_values" before (vLLM pins transformers < 5.20)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def _check_ids(what: str, ids: Any, cache: PositionedKV) -> torch.Tensor:
@@ -86,7 +95,8 @@ def extend(model: torch.nn.Module, cache: PositionedKV, ids: torch.Tensor, posit
             fail("extend attention_mask", f"a 4-D [B|1, 1, S, T+S] = {list(want)} mask", list(attention_mask.shape))
         mask = additive_mask(attention_mask, model.dtype)
     with cache.appending(), _scope(model, attention, cache):
-        out = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                    **{cache_kwarg(model.forward): cache})
         if segment:
             cache.set_segment_(T, cache.num_slots, segment)
     return out.logits
@@ -107,7 +117,7 @@ def generate(model: torch.nn.Module, cache: PositionedKV, new_ids: torch.Tensor,
             fail(f"generate {k}", "not given (kvpos sets it from the cache)", "a value", "pass positions= instead")
     with cache.appending(), _scope(model, attention, cache):
         if cache.num_slots == 0 and positions is None:
-            return model.generate(new_ids, cache=cache, **gen_kwargs)
+            return model.generate(new_ids, **{cache_kwarg(model.forward): cache}, **gen_kwargs)
         pos = _new_positions(cache, new_ids, positions)
         cache._check_new_positions(pos, "generate positions")
         mask = gen_kwargs.pop("attention_mask", None)
@@ -116,7 +126,8 @@ def generate(model: torch.nn.Module, cache: PositionedKV, new_ids: torch.Tensor,
             if mask.shape != new_ids.shape:
                 fail("generate attention_mask", f"[B, S]={tuple(new_ids.shape)} over the new ids", tuple(mask.shape))
             full[:, cache.num_slots:] = mask
-        return model.generate(new_ids, attention_mask=full, position_ids=pos, cache=cache, **gen_kwargs)
+        return model.generate(new_ids, attention_mask=full, position_ids=pos, **{cache_kwarg(model.forward): cache},
+                              **gen_kwargs)
 
 
 @torch.no_grad()
@@ -150,8 +161,8 @@ def run_decoder_layers(layers: Any, lo: int, hi: int, hidden: torch.Tensor, pos:
     writing into `cache` (inside cache.overwriting(...) for recomputation). Returns the new hidden states."""
     pe = rotary(hidden, pos)
     for i in range(lo, hi):
-        hidden = layers[i](hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                           position_embeddings=pe)
+        hidden = layers[i](hidden, attention_mask=mask, position_ids=pos, use_cache=True, position_embeddings=pe,
+                           **{cache_kwarg(layers[i].forward): cache})
         if isinstance(hidden, tuple):
             hidden = hidden[0]
     return hidden
