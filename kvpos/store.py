@@ -50,7 +50,7 @@ __all__ = [
     "ChunkKV", "Fingerprint", "ChunkStore", "MemoryBackend", "DiskBackend", "RedisBackend", "StoreStats",
     "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "StoreServerError", "content_key",
     "model_fingerprint", "WeightsDigest", "serialize", "deserialize", "FORMAT_VERSION", "check_key",
-    "check_namespace",
+    "check_namespace", "tensors_digest", "checkpoint_digest", "rope_digest",
 ]
 
 FORMAT_VERSION = 2   # 2: the checksum covers metadata too (format 1 entries are refused as unverifiable)
@@ -113,7 +113,7 @@ class Fingerprint:
     """Identity of everything a chunk's KV depends on besides its own tokens."""
 
     model: str       # sha256 of the model config
-    weights: str     # sha256 over every parameter and buffer (name, shape, dtype, all bytes)
+    weights: str     # tensors_digest of every parameter and buffer (shape, dtype, all bytes; tied copies once)
     dtype: str
     anchor: str      # sha256 of the anchor prefix ids
     rope: str        # sha256 of the per-layer RoPE specs
@@ -148,12 +148,49 @@ class Fingerprint:
         return replace(self, anchor=ids_digest(anchor_ids))
 
 
+_CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_internal",
+                    "dtype", "torch_dtype", "_commit_hash", "architectures", "quantization_config")
+
+
 def _config_digest(config: Any) -> str:
+    """sha256 of a model config without the fields that name where it came from (path, library version, how weights
+    were stored on disk): the same model loaded from GGUF, from a folder, by another transformers version digests
+    the same."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    for k in ("_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_internal",
-              "dtype", "torch_dtype", "_commit_hash"):
+    for k in _CONFIG_VOLATILE:
         d.pop(k, None)
     return _sha(json.dumps(d, sort_keys=True, default=str).encode())
+
+
+def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 over a set of tensors by content: each tensor's shape, dtype and bytes are hashed, identical tensors
+    (tied weights) count once, names and order do not matter. A model in memory and its checkpoint on disk
+    (save_pretrained drops tied copies and may rename) digest the same."""
+    parts = set()
+    for t in tensors:
+        flat = t.detach().reshape(-1).contiguous().cpu()
+        h = hashlib.sha256(f"{tuple(t.shape)}:{t.dtype}:".encode())
+        if flat.numel():
+            h.update(memoryview(flat.view(torch.uint8).numpy()))
+        parts.add(h.hexdigest())
+    return _sha("".join(sorted(parts)).encode())
+
+
+def checkpoint_digest(folder: str) -> str:
+    """tensors_digest of every tensor in a folder's *.safetensors files (what an engine loads), read one at a time."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        fail("checkpoint_digest folder", "*.safetensors files", f"none in {folder}")
+
+    def tensors():
+        for f in files:
+            with safe_open(os.path.join(folder, f), framework="pt") as fh:
+                for k in fh.keys():
+                    yield fh.get_tensor(k)
+
+    return tensors_digest(tensors())
 
 
 class WeightsDigest:
@@ -179,14 +216,8 @@ class WeightsDigest:
 
     @torch.no_grad()
     def _compute(self) -> str:
-        h = hashlib.sha256()
-        for name, t in sorted(self.model.state_dict().items()):
-            flat = t.detach().reshape(-1).contiguous().cpu()
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
-            if flat.numel():
-                h.update(memoryview(flat.view(torch.uint8).numpy()))
         self.computations += 1
-        return h.hexdigest()
+        return tensors_digest(self.model.state_dict().values())
 
     def refresh(self) -> str:
         """Recompute now (after writes through `.data`)."""
@@ -205,13 +236,18 @@ class WeightsDigest:
         return self._observed() != self._state
 
 
+def rope_digest(specs: Iterable[Any]) -> str:
+    """sha256 of the per-layer RoPE specs (their describe())."""
+    return _sha(json.dumps([s.describe() for s in specs], sort_keys=True).encode())
+
+
 def model_fingerprint(model: torch.nn.Module, anchor_ids: torch.Tensor, specs: Iterable[Any] = (),
                       weights: WeightsDigest | None = None) -> Fingerprint:
     """Fingerprint of (model config, every weight, dtype, anchor ids, RoPE specs, kvpos format). Pass a
     WeightsDigest to reuse its hash (recomputed only when a weight changed)."""
     w = (weights if weights is not None else WeightsDigest(model)).digest()
     cfg = getattr(model, "config", None)
-    rope = _sha(json.dumps([s.describe() for s in specs], sort_keys=True).encode())
+    rope = rope_digest(specs)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return Fingerprint(_config_digest(cfg) if cfg is not None else "none", w, dtype, ids_digest(anchor_ids), rope)
 

@@ -187,3 +187,18 @@ def test_contains_answers_without_loading(tmp_path, redis_server, name):
     assert not store.contains(c.ids)
     store.put(c)
     assert store.contains(c.ids) and not store.contains(c.ids[:-1])
+
+
+def test_weights_digest_is_by_content_and_equals_the_checkpoint_on_disk(tmp_path):
+    """A model in memory and its save_pretrained folder (tied weights dropped, names kept or not) digest the same,
+    so that every engine loading the same weights shares chunks; one changed weight changes it."""
+    from kvpos.store import WeightsDigest, checkpoint_digest, tensors_digest
+    from kvpos.integrations.hf.testing import tiny_model
+
+    model = tiny_model("llama", tie_word_embeddings=True)[0]
+    model.save_pretrained(tmp_path)
+    assert WeightsDigest(model).digest() == checkpoint_digest(str(tmp_path))
+    t = [torch.ones(3), torch.zeros(2, 2)]
+    assert tensors_digest(t) == tensors_digest(t[::-1] + [torch.ones(3)])            # order and duplicates
+    assert tensors_digest(t) != tensors_digest([torch.ones(3), torch.zeros(4)])        # shape
+    assert tensors_digest(t) != tensors_digest([torch.ones(3, dtype=torch.float64), torch.zeros(2, 2)])
