@@ -192,13 +192,16 @@ def stale_slots(pieces: Sequence[Piece]) -> torch.Tensor:
 BASES = ("full", "pie", "naive", "prefix", "auto")
 REPAIRS = ("blend", "attn")
 _GRAMMAR = re.compile(r"(?P<base>full|naive|pie|prefix|auto)(?:\+r(?P<r>\d+))?(?:\+k(?P<k>\d+)?)?"
-                      r"(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?")
+                      r"(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?"
+                      r"(?:\+c(?P<c>\d+))?")
 _HELP = ("full | prefix | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] | "
-         "auto[+r<R>][+k<K>][+tail<T>] (P = percent of the stale tokens, e.g. pie+k64+tail512, pie+attn25+probe32)")
+         "auto[+r<R>][+k<K>][+tail<T>][+c<C>] (P = percent of the stale tokens, e.g. pie+k64+tail512, "
+         "pie+attn25+probe32)")
 # auto's rule, fitted on a calibration split (seed 1), never on evaluated samples: results/pie_auto_calibration.md
 AUTO_PREFIX_MAX = 512     # recompute from the first edit (exact) when at most this many tokens follow it
 AUTO_K = 64               # otherwise PIE, re-encoding the K tokens after every edit ...
-AUTO_TAIL = 256           # ... and the last T tokens of the document
+AUTO_TAIL = 256           # ... and the last T tokens of the document,
+AUTO_COVER = 0            # ... extended back to the last edit when at most C tokens follow it
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,8 @@ class Strategy:
         recompute everything after it: exact, what vLLM / SGLang / llama.cpp do), "pie" (keep untouched segments,
         move them by their shift, encode only the new tokens), "naive" (conflict-fast reuse: splice without fixing
         positions), "auto" (per edit: prefix when at most `prefix_max` tokens follow the first edit, else pie with
-        k and tail; `resolve` gives the choice).
+        k and a tail that reaches back to the last edit when at most `cover` tokens follow it; `resolve` gives the
+        choice).
     k: pie also re-encodes the k untouched tokens after every edit.
     repair: None, "blend" (CacheBlend over the stale tokens: layers 0-1 refreshed for all, the `ratio` whose layer-1
         values moved most carried through every layer) or "attn" (the document's last `probe` tokens pick, by their
@@ -226,11 +230,12 @@ class Strategy:
     probe: int = 16
     tail: int = 0
     prefix_max: int = 0
+    cover: int = 0
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
             fail("strategy", f"one of {BASES} as base ({_HELP})", repr(self.base))
-        for what in ("k", "probe", "tail", "prefix_max"):
+        for what in ("k", "probe", "tail", "prefix_max", "cover"):
             v = getattr(self, what)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what == "probe" else 0):
                 fail(f"strategy {what}", "an int >= 1" if what == "probe" else "an int >= 0", v)
@@ -244,12 +249,13 @@ class Strategy:
             fail(f"strategy {self.base}", "no +k or repair (they refine pie)", str(self._raw()))
         if self.base in ("full", "prefix") and self.tail:
             fail(f"strategy {self.base}", "no +tail (it re-encodes everything after the edit)", f"tail={self.tail}")
-        if self.base != "auto" and self.prefix_max:
-            fail(f"strategy {self.base}", "no +r (the prefix threshold of auto)", f"prefix_max={self.prefix_max}")
+        if self.base != "auto" and (self.prefix_max or self.cover):
+            fail(f"strategy {self.base}", "no +r / +c (thresholds of auto)",
+                 f"prefix_max={self.prefix_max}, cover={self.cover}")
 
     def _raw(self) -> str:
         return (f"{self.base} k={self.k} repair={self.repair} ratio={self.ratio} probe={self.probe} tail={self.tail} "
-                f"prefix_max={self.prefix_max}")
+                f"prefix_max={self.prefix_max} cover={self.cover}")
 
     @classmethod
     def parse(cls, spec: "str | Strategy", **overrides: Any) -> "Strategy":
@@ -265,9 +271,11 @@ class Strategy:
             fail("strategy", _HELP, repr(spec))
         kw: dict[str, Any] = {"base": m["base"]}
         if m["base"] == "auto":
-            kw.update(prefix_max=AUTO_PREFIX_MAX, k=AUTO_K, tail=AUTO_TAIL)
+            kw.update(prefix_max=AUTO_PREFIX_MAX, k=AUTO_K, tail=AUTO_TAIL, cover=AUTO_COVER)
         if m["r"] is not None:
             kw["prefix_max"] = int(m["r"])
+        if m["c"] is not None:
+            kw["cover"] = int(m["c"])
         if "+k" in spec:
             kw["k"] = int(m["k"]) if m["k"] else 8
         if m["repair"]:
@@ -288,7 +296,7 @@ class Strategy:
     def __str__(self) -> str:
         out = self.base
         if self.base == "auto":
-            return f"auto+r{self.prefix_max}+k{self.k}+tail{self.tail}"
+            return f"auto+r{self.prefix_max}+k{self.k}+tail{self.tail}" + (f"+c{self.cover}" if self.cover else "")
         if self.k:
             out += f"+k{self.k}"
         if self.repair:
@@ -313,7 +321,9 @@ class Strategy:
 
         Rule: when at most `prefix_max` tokens of the NEW document follow the first edit, recompute from it
         (prefix: exact, and cheap because little follows); otherwise PIE re-encoding the k tokens after every edit
-        and the last `tail` tokens (what a next-token prediction at the end reads most)."""
+        and the last `tail` tokens (what a next-token prediction at the end reads most), the tail reaching back to
+        the start of the last edit when at most `cover` tokens of the document follow it (so everything after the
+        last edit is recomputed; only earlier edits are PIE's)."""
         if self.base != "auto":
             return self
         norm = normalize(edits, n)
@@ -322,4 +332,6 @@ class Strategy:
         n_new = n + sum(e.delta for e in norm)
         if n_new - norm[0].start <= self.prefix_max:
             return Strategy("prefix")
-        return Strategy("pie", k=self.k, tail=self.tail)
+        after_last = n - norm[-1].start            # old-document tokens from the last edit on (with_tail counts so)
+        tail = max(self.tail, after_last) if after_last <= self.cover else self.tail
+        return Strategy("pie", k=self.k, tail=tail)

@@ -50,7 +50,7 @@ __all__ = [
     "ChunkKV", "Fingerprint", "ChunkStore", "MemoryBackend", "DiskBackend", "RedisBackend", "StoreStats",
     "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "StoreServerError", "content_key",
     "model_fingerprint", "WeightsDigest", "serialize", "deserialize", "FORMAT_VERSION", "check_key",
-    "check_namespace", "tensors_digest", "checkpoint_digest", "rope_digest",
+    "check_namespace", "tensors_digest", "checkpoint_digest", "rope_digest", "config_digest",
 ]
 
 FORMAT_VERSION = 2   # 2: the checksum covers metadata too (format 1 entries are refused as unverifiable)
@@ -152,7 +152,7 @@ _CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "_attn_implementati
                     "dtype", "torch_dtype", "_commit_hash", "architectures", "quantization_config")
 
 
-def _config_digest(config: Any) -> str:
+def config_digest(config: Any) -> str:
     """sha256 of a model config without the fields that name where it came from (path, library version, how weights
     were stored on disk): the same model loaded from GGUF, from a folder, by another transformers version digests
     the same."""
@@ -249,7 +249,7 @@ def model_fingerprint(model: torch.nn.Module, anchor_ids: torch.Tensor, specs: I
     cfg = getattr(model, "config", None)
     rope = rope_digest(specs)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return Fingerprint(_config_digest(cfg) if cfg is not None else "none", w, dtype, ids_digest(anchor_ids), rope)
+    return Fingerprint(config_digest(cfg) if cfg is not None else "none", w, dtype, ids_digest(anchor_ids), rope)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -118,3 +118,21 @@ def test_reusing_one_position_tensor_modified_in_place_is_not_served_stale():
     for l in cache.layers:   # rotated keys of the second forward correspond to positions 4..7
         from kvpos import rotate
         assert (rotate(l.raw_keys, cache.positions, l.spec) - l.keys).abs().max() < 1e-5
+
+
+def test_a_dropped_cache_frees_its_buffers_at_once_without_the_cycle_collector():
+    """No reference cycle between a cache and its layers: evaluation loops that build many caches must not wait
+    for the cycle collector (an earlier version accumulated gigabytes)."""
+    import gc
+    import weakref
+
+    model, _ = tiny_model("llama")
+    cache = PositionedCache.from_model(model)
+    model(_ids(), cache=cache, use_cache=True)
+    buf = weakref.ref(cache.layers[0].rot_k)
+    gc.disable()
+    try:
+        del cache
+        assert buf() is None
+    finally:
+        gc.enable()

@@ -301,3 +301,16 @@ def test_auto_picks_prefix_when_little_follows_the_first_edit_and_pie_otherwise(
     full.apply([Insert(36, [5, 6])], "full")
     auto.apply([Insert(36, [5, 6])], "auto+r8")
     assert (_probe(full) - _probe(auto)).abs().max() < 1e-4          # the prefix branch is exact
+
+
+def test_auto_cover_recomputes_everything_after_the_last_edit():
+    model = tiny_model("llama", num_hidden_layers=3)[0]
+    doc = _doc(8, 40)
+    edits = [Insert(4, [7, 8]), Replace(30, 32, [9])]
+    full, auto = EditSession(model, doc), EditSession(model, doc)
+    full.apply(edits, "full")
+    r = auto.apply(edits, "auto+r0+k0+tail2+c12")
+    assert r.strategy == "auto+r0+k0+tail2+c12->pie+tail10"      # 40 - 30 tokens from the last edit on
+    ref = EditSession(model, doc)
+    ref.apply(edits, "pie+tail10")
+    assert (_probe(ref) - _probe(auto)).abs().max() == 0

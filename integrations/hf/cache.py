@@ -74,8 +74,15 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
 
     def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None) -> None:
         SlotLayer.__init__(self, spec, raw_dtype)  # CacheLayerMixin.__init__ would overwrite the keys/values views
-        self._owner = owner
+        self._owner_ref = weakref.ref(owner)       # no reference cycle: a dropped cache frees its buffers at once
         self.index = index
+
+    @property
+    def _owner(self) -> "PositionedCache":
+        owner = self._owner_ref()
+        if owner is None:
+            fail(f"cache layer {self.index}", "its PositionedCache alive", "a layer whose cache was dropped")
+        return owner
 
     @property
     def is_initialized(self) -> bool:  # type: ignore[override]

@@ -1,0 +1,53 @@
+"""Engine helpers for the kvpos connector: the LLM arguments, and filling the store through the engine.
+
+    llm = vllm.LLM(**engine_kwargs(model_dir, store="redis://127.0.0.1:6379/0"))
+    precompute(llm, RequestBuilder(tok), passages)          # batched, with a progress bar
+
+No vllm import here: pass the LLM (or anything with the same generate) in.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from kvpos._checks import fail
+
+from .requests import RequestBuilder
+
+__all__ = ["engine_kwargs", "precompute", "CONNECTOR", "CONNECTOR_MODULE"]
+
+CONNECTOR = "KvposConnector"
+CONNECTOR_MODULE = "kvpos.integrations.vllm.connector"
+
+
+def engine_kwargs(model_dir: str, store: str, namespace: str = "default", save: bool = True, **llm_kw: Any) -> dict:
+    """Keyword arguments of vllm.LLM (or `vllm serve` flags' equivalent) with the kvpos connector configured."""
+    from vllm.config import KVTransferConfig
+
+    if not isinstance(store, str) or not store:
+        fail("engine_kwargs store", "'redis://host:port/db' or 'disk:///absolute/path'", repr(store))
+    cfg = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
+                           kv_connector_extra_config={"store": store, "namespace": namespace, "save": save})
+    return {"model": model_dir, "kv_transfer_config": cfg, **llm_kw}
+
+
+def precompute(llm: Any, builder: RequestBuilder, passages: Sequence[str], batch: int = 8,
+               progress: bool = True) -> int:
+    """Run anchor + passage requests through the engine (one output token each) so the connector saves every
+    passage's KV; returns how many passages were sent. Passages already stored are loaded, not recomputed."""
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        fail("precompute batch", "an int >= 1", batch)
+    n = 0
+    bar = tqdm(total=len(passages), desc="precompute passages (vLLM)", disable=not progress, file=sys.stdout)
+    for i in range(0, len(passages), batch):
+        reqs = [builder.precompute_request(p) for p in passages[i:i + batch]]
+        sps = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": params})
+               for _, params in reqs]
+        llm.generate([prompt for prompt, _ in reqs], sps, use_tqdm=False)
+        n += len(reqs)
+        bar.update(len(reqs))
+    bar.close()
+    return n

@@ -1,0 +1,49 @@
+"""Requests for the kvpos connector: prompt token ids and the kv_transfer_params that say where anchor and
+passages are. No engine import: build requests anywhere, send them to any vLLM with the connector.
+
+    rb = RequestBuilder(tokenizer)                         # the model's chat template, one user turn per passage
+    prompt, params = rb.request(passages, question)        # {"prompt_token_ids": [...]}, {"kvpos": {...}}
+    llm.generate(prompt, SamplingParams(max_tokens=32, extra_args={"kv_transfer_params": params}))
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvpos.prompt import ChatPromptBuilder, PromptParts
+
+__all__ = ["RequestBuilder", "segments_of"]
+
+
+def segments_of(parts: PromptParts) -> list[list]:
+    """[[0, A, "anchor"], [A, A + S1, "chunk"], ...] for the pieces of a prompt (the question is not a segment)."""
+    out, pos = [[0, int(parts.anchor.numel()), "anchor"]], int(parts.anchor.numel())
+    for c in parts.chunks:
+        out.append([pos, pos + int(c.numel()), "chunk"])
+        pos += int(c.numel())
+    return out
+
+
+class RequestBuilder:
+    """Chat-template requests whose passages the connector can reuse from the kvpos store (see ChatPromptBuilder
+    for the layout; turns=True puts each passage in its own user message)."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None, turns: bool = True, **kw: Any) -> None:
+        self.builder = ChatPromptBuilder(tokenizer, system_prompt, turns=turns, **kw)
+
+    def parts(self, passages: Sequence[str], question: str) -> PromptParts:
+        return self.builder.parts(passages, question)
+
+    def request(self, passages: Sequence[str], question: str, save: bool = True) -> tuple[dict, dict]:
+        """({"prompt_token_ids": ids}, kv_transfer_params) for passages + question."""
+        return self.from_parts(self.parts(passages, question), save)
+
+    @staticmethod
+    def from_parts(parts: PromptParts, save: bool = True) -> tuple[dict, dict]:
+        ids = parts.full_ids()[0].tolist()
+        return {"prompt_token_ids": ids}, {"kvpos": {"segments": segments_of(parts), "save": save}}
+
+    def precompute_request(self, passage: str) -> tuple[dict, dict]:
+        """anchor + passage alone (the passage is computed right after the anchor, so its KV is saved)."""
+        parts = PromptParts(self.builder.anchor_ids, [self.builder.chunk_ids(passage)],
+                            self.builder.anchor_ids[:0])
+        return self.from_parts(parts, save=True)
