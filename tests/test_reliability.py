@@ -391,7 +391,7 @@ def test_a_chunk_computed_before_an_in_place_weight_update_is_never_served(tmp_p
 @pytest.fixture
 def redis_port(tmp_path):
     """A redis-server of this test alone (the tests reconfigure and pause it)."""
-    from conftest import start_redis
+    from redis_server import start_redis
     proc, port = start_redis(tmp_path)
     yield port
     proc.terminate()

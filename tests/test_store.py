@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import free_port
+from redis_server import free_port
 
 from kvpos.store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
                          MemoryBackend, RedisBackend, StoreUnavailable, content_key, deserialize, serialize)
