@@ -82,12 +82,20 @@ def _passages(tok, n: int, per: int, seed: int) -> list[str]:
     return [next(stream) for _ in range(n)]
 
 
+def _fit(rb, tok, max_tokens: int, per: int, seed: int) -> list[str]:
+    """As many ~per-token passages as fit, with the chat template and the question, in max_tokens prompt tokens."""
+    ps = _passages(tok, max(1, max_tokens // per) + 2, per, seed)
+    while len(ps) > 1 and len(rb.request(ps, QUESTION)[0]["prompt_token_ids"]) > max_tokens:
+        ps.pop()
+    return ps
+
+
 def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> list[dict]:
     """TTFT of the three methods at ~ctx prompt tokens, passages in a new order each rep."""
     from kvpos.integrations.vllm.engine import precompute
 
-    n = max(1, ctx // per)
-    ps = _passages(tok, n, per, seed)
+    ps = _fit(rb, tok, ctx - 8, per, seed)
+    n = len(ps)
     precompute(llm, rb, ps, progress=False)
     stored_prompt, _ = rb.request(ps, QUESTION)
     llm.generate([_prompt(stored_prompt, f"pc{ctx}")], [_sp(1, None)], use_tqdm=False)   # warm the prefix cache
@@ -154,8 +162,8 @@ def throughput(llm, rb, tok, ctx: int, per: int, concurrent: int, new_tokens: in
     """`concurrent` requests sent together (each its own passage order), full prefill vs kvpos."""
     from kvpos.integrations.vllm.engine import precompute
 
-    n = max(1, ctx // per)
-    ps = _passages(tok, n, per, seed)
+    ps = _fit(rb, tok, ctx - new_tokens, per, seed)
+    n = len(ps)
     precompute(llm, rb, ps, progress=False)
     rng = random.Random(seed)
     reqs = []
@@ -216,7 +224,7 @@ def run(a: argparse.Namespace, store: str) -> dict:
     from kvpos.integrations.vllm.requests import RequestBuilder
 
     tok = AutoTokenizer.from_pretrained(a.model)
-    llm = _engine(a.model, store, max(a.contexts + [a.tp_context]) + 512, max(8, a.concurrent))
+    llm = _engine(a.model, store, max(a.contexts + [a.tp_context, 2048]), max(8, a.concurrent))
     rb = RequestBuilder(tok)
     rows = []
     with tqdm(total=len(a.contexts) * a.reps, desc="TTFT (vLLM)", file=sys.stdout) as bar:
