@@ -63,7 +63,7 @@ class WindowBackend:
                      "a mask hiding some slots", "unhide_ them, or use selector='index'")
             return self._store_decode(call, layer, q_pos)
         cfg = replace(self.cfg, selector="index") if self.cfg.selector == "store" else self.cfg
-        out = windowed_attend(call.query, layer.keys, layer.raw_keys, layer.values, layer.spec, q_pos, cfg,
+        out = windowed_attend(call.query, call.key, layer.raw_keys, layer.values, layer.spec, q_pos, cfg,
                               call.scaling, allowed, stats=self.stats)
         return AttentionCall.finish(out)
 
@@ -80,7 +80,7 @@ class WindowBackend:
             fail("WindowBackend (selector='store')", f"a cache that only grows within the scope ({lo + st.num_slots}"
                  f" far slots stored)", f"{hi} far slots", "open a new use_window scope after deleting slots")
         local = torch.cat([torch.arange(0, min(lo, N)), torch.arange(hi, N)])
-        lk, lv = layer.keys[0][:, local], layer.values[0][:, local]
+        lk, lv = call.key[0][:, local], layer.values[0][:, local]     # call.key: the layer's keys (checked)
         q = call.query[0, :, 0]                                       # [Hq, D]
         qf = far_query(call.query, q_pos, layer.spec, cfg.distance)[0, :, 0]
         k = cfg.k_for(st.num_slots)

@@ -37,7 +37,7 @@ import torch
 from ._checks import as_positions, check_int, check_range, check_slot_index, fail
 from .rope import RopeSpec, _apply, _apply_many, cos_sin
 
-__all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE"]
+__all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE", "STORAGES"]
 
 GROWTH = 2.0            # capacity multiplier when a buffer is full
 _MIN_CAPACITY = 64
@@ -163,21 +163,55 @@ class SlotTable:
         return t
 
 
-class SlotLayer:
-    """One layer's storage: raw_k, rot_k, v buffers [B, H, C, D], first `n` slots valid."""
+STORAGES = ("rotated", "raw")
 
-    def __init__(self, spec: RopeSpec, raw_dtype: torch.dtype | None = None) -> None:
+
+def _grown_tight(old_cap: int, need: int) -> int:
+    """Capacity for storage="raw": `need` plus a small step (at most ~0.8% slack beyond 2k slots; a regrow copies
+    the valid slots once per step, still far less than a cat per token)."""
+    return max(old_cap, need + max(16, need // 128)) if need > old_cap else old_cap
+
+
+class SlotLayer:
+    """One layer's storage, first `n` of capacity C slots valid:
+
+    storage="rotated": raw_k, rot_k, v [B, H, C, D] (attention reads rot_k; a position change re-rotates moved slots)
+    storage="raw":     raw_k, v only; attention reads keys rotated on read (`PositionedKV.layer_keys`), a position
+                       change touches only the slot table."""
+
+    def __init__(self, spec: RopeSpec, raw_dtype: torch.dtype | None = None, storage: str = "rotated") -> None:
         self.spec = spec
         self.raw_dtype = raw_dtype
+        self.storage = storage
         self.raw_k: torch.Tensor | None = None
         self.rot_k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.key_dtype: torch.dtype | None = None    # dtype of the keys attention reads (the model's)
         self.n = 0
+
+    @property
+    def _names(self) -> tuple[str, ...]:
+        return ("rot_k", "raw_k", "v") if self.storage == "rotated" else ("raw_k", "v")
+
+    def buffers(self) -> list[torch.Tensor | None]:
+        return [getattr(self, n) for n in self._names]
+
+    def set_buffers(self, bufs: Sequence[torch.Tensor | None]) -> None:
+        for n, b in zip(self._names, bufs):
+            setattr(self, n, b)
+
+    @property
+    def allocated(self) -> bool:
+        return self.v is not None
 
     # -- views ---------------------------------------------------------------------------------------------------
     @property
     def keys(self) -> torch.Tensor | None:
-        """[B, H, T, D] keys rotated to their current positions (a view into the buffer)."""
+        """[B, H, T, D] keys rotated to their current positions: a view of rot_k (storage="rotated"); with
+        storage="raw" a layer cannot rotate alone (it has no positions): read `PositionedKV.layer_keys(i)`."""
+        if self.storage != "rotated":
+            fail("SlotLayer.keys", "storage='rotated'", f"storage={self.storage!r}",
+                 "read PositionedKV.layer_keys(layer) (rotated on read)")
         return None if self.rot_k is None else self.rot_k[:, :, : self.n]
 
     @property
@@ -191,55 +225,58 @@ class SlotLayer:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.rot_k is None else self.rot_k.shape[2]
+        return 0 if self.v is None else self.v.shape[2]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.raw_k, self.rot_k, self.v) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.buffers() if t is not None)
 
     # -- growth --------------------------------------------------------------------------------------------------
+    def _cap(self, old: int, need: int) -> int:
+        return _grown(old, need) if self.storage == "rotated" else _grown_tight(old, need)
+
     def reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
-        """Make room for `need` slots (geometric growth; copies only the valid prefix; all-or-nothing)."""
-        if self.rot_k is None:
+        """Make room for `need` slots (copies only the valid prefix; all-or-nothing)."""
+        if self.v is None:
             B, H, _, D = like_k.shape
-            cap = _grown(0, need)
-            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device)
+            cap = self._cap(0, need) if self.storage == "raw" else _grown(0, need)
             raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device)
             v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device)
-            self.rot_k, self.raw_k, self.v = rot, raw, v
+            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device) if self.storage == "rotated" else None
+            self.rot_k, self.raw_k, self.v, self.key_dtype = rot, raw, v, like_k.dtype
             return
         if need <= self.capacity:
             return
-        self.rot_k, self.raw_k, self.v = _regrow([self.rot_k, self.raw_k, self.v], 2, _grown(self.capacity, need),
-                                                 self.n)
+        self.set_buffers(_regrow(self.buffers(), 2, self._cap(self.capacity, need), self.n))
 
     def shrink_(self, cap: int) -> None:
-        if self.rot_k is not None and cap < self.capacity:
-            self.rot_k, self.raw_k, self.v = _regrow([self.rot_k, self.raw_k, self.v], 2, cap, self.n)
+        if self.v is not None and cap < self.capacity:
+            self.set_buffers(_regrow(self.buffers(), 2, cap, self.n))
 
-    def append(self, k_rot: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor) -> None:
-        """Write S new slots after the valid ones. k_rot/k_raw/v: [B, H, S, D]."""
-        S = k_rot.shape[2]
-        self.reserve(k_rot, v, self.n + S)
+    def append(self, k_rot: torch.Tensor | None, v: torch.Tensor, k_raw: torch.Tensor) -> None:
+        """Write S new slots after the valid ones. k_rot/k_raw/v: [B, H, S, D] (k_rot unused with storage="raw")."""
+        S = k_raw.shape[2]
+        self.reserve(k_raw if k_rot is None else k_rot, v, self.n + S)
         sl = slice(self.n, self.n + S)
-        self.rot_k[:, :, sl] = k_rot
+        if self.storage == "rotated":
+            self.rot_k[:, :, sl] = k_rot
         self.raw_k[:, :, sl] = k_raw
         self.v[:, :, sl] = v
         self.n += S
 
     def select_(self, idx: torch.Tensor) -> None:
         """Keep slots idx (1-D long) in that order, compacting them to the front."""
-        for name in ("rot_k", "raw_k", "v"):
-            buf = getattr(self, name)
+        for buf in self.buffers():
             buf[:, :, : idx.numel()] = buf[:, :, idx]
         self.n = idx.numel()
 
     def select_rows_(self, rows: torch.Tensor) -> None:
         """Batch rows `rows` (new tensors: the old buffers are left as they were)."""
-        if self.rot_k is not None:
-            self.rot_k, self.raw_k, self.v = (b[rows.to(b.device)] for b in (self.rot_k, self.raw_k, self.v))
+        if self.v is not None:
+            self.set_buffers([b[rows.to(b.device)] for b in self.buffers()])
 
     def clear(self) -> None:
         self.raw_k = self.rot_k = self.v = None
+        self.key_dtype = None
         self.n = 0
 
 
@@ -252,6 +289,33 @@ class _Forward:
     pos: torch.Tensor
     done: set = field(default_factory=set)
     unrot: dict = field(default_factory=dict)     # id(spec) -> (cos, -sin) [B, 1, S, R/2]
+    read: "_ReadState | None" = None              # storage="raw": this forward's rotate-on-read state
+
+
+@dataclass
+class _ReadState:
+    """Rotate-on-read state (storage="raw") for one forward: cos/sin of the first `n` slot positions per RoPE spec
+    and one scratch buffer that every layer rotates into (the layers run one after the other), dropped with the
+    forward so that nothing beyond the raw keys and values stays resident."""
+
+    n: int
+    cs: dict = field(default_factory=dict)        # id(spec) -> (cos, sin) [B, 1, n, R/2]
+    scratch: dict = field(default_factory=dict)   # (B, H, D, dtype, device) -> [B, H, n, D]
+
+    def cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = self.cs.get(id(spec))
+        if cs is None:
+            cos, sin = cos_sin(pos[:, : self.n], spec, device=device)
+            cs = self.cs[id(spec)] = (cos[:, None], sin[:, None])
+        return cs
+
+    def buffer(self, layer: "SlotLayer") -> torch.Tensor:
+        B, H, _, D = layer.raw_k.shape
+        key = (B, H, D, layer.key_dtype, layer.raw_k.device)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = _alloc((B, H, self.n, D), layer.key_dtype, layer.raw_k.device)
+        return buf
 
 
 @dataclass
@@ -261,6 +325,7 @@ class _Overwrite:
     slots: torch.Tensor
     saved: dict = field(default_factory=dict)      # layer index -> (rot, raw, v) of the slots before the write
     pos: torch.Tensor | None = None                # positions of the running recompute forward (first layer's)
+    read: "_ReadState | None" = None               # storage="raw": the recompute forward's rotate-on-read state
 
 
 class PositionedKV:
@@ -275,9 +340,16 @@ class PositionedKV:
     forwards through `write_rotated_`.
     """
 
-    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: object = None) -> None:
+    def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: object = None,
+                 storage: str = "rotated") -> None:
         """specs: one RopeSpec per layer; raw_dtype: dtype of the raw keys (default: the keys' own); origin: an opaque
-        identity of the model that writes the slots (caches of different origins are never mixed; None = unknown)."""
+        identity of the model that writes the slots (caches of different origins are never mixed; None = unknown);
+        storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache) or "raw"
+        (raw keys + values only, keys rotated on read into one scratch layer per forward: the size of a plain
+        cache; position operations touch only the slot table)."""
+        if storage not in STORAGES:
+            fail(f"{type(self).__name__} storage", " or ".join(repr(x) for x in STORAGES), repr(storage))
+        self.storage = storage
         if isinstance(specs, RopeSpec) or not isinstance(specs, (list, tuple)) or not specs:
             fail(f"{type(self).__name__} specs", "a non-empty list with one RopeSpec per layer",
                  type(specs).__name__ if not isinstance(specs, (list, tuple)) else "an empty list", exc=TypeError
@@ -293,10 +365,11 @@ class PositionedKV:
         self.table = SlotTable()
         self._forward: _Forward | None = None
         self._overwrite: _Overwrite | None = None
+        self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
 
     def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
         """The storage object of layer `index` (engine adapters return their protocol subclass)."""
-        return SlotLayer(spec, self.raw_dtype)
+        return SlotLayer(spec, self.raw_dtype, self.storage)
 
     @property
     def specs(self) -> list[RopeSpec]:
@@ -335,9 +408,8 @@ class PositionedKV:
 
     @property
     def dtype(self) -> torch.dtype | None:
-        """dtype of the rotated keys (None before the first slot)."""
-        l = self.layers[0]
-        return None if l.rot_k is None else l.rot_k.dtype
+        """dtype of the keys attention reads (None before the first slot)."""
+        return self.layers[0].key_dtype
 
     def next_position(self) -> torch.Tensor:
         """[B] int64: one past the largest position of a visible slot per row (0 for an empty row)."""
@@ -370,8 +442,49 @@ class PositionedKV:
         return [(l.raw_k[:, :, start:end].clone(), l.v[:, :, start:end].clone()) for l in self.layers]
 
     def rotated_keys(self, layer: int) -> torch.Tensor:
-        """[B, H, T, D] keys of `layer` as attention sees them (a view)."""
-        return self.layers[layer].keys
+        """[B, H, T, D] keys of `layer` as attention sees them (see `layer_keys`)."""
+        return self.layer_keys(layer)
+
+    def layer_keys(self, index: int) -> torch.Tensor | None:
+        """[B, H, T, D] keys of layer `index` rotated to their current positions: a view of the stored rotated keys
+        (storage="rotated"), or rotated on read from the raw keys into a scratch buffer (storage="raw": valid until
+        the next layer is read in the same forward; outside a forward a fresh tensor)."""
+        l = self.layers[index]
+        if l.storage == "rotated" or not l.allocated:
+            return l.rot_k[:, :, : l.n] if l.allocated else None
+        return self._rotate_on_read(index)
+
+    def _read_state(self) -> _ReadState:
+        """The running forward's (or recompute's) rotate-on-read state, else a transient one."""
+        for run in (self._overwrite, self._forward):
+            if run is not None:
+                if run.read is None or run.read.n != self.table.n:
+                    run.read = _ReadState(self.table.n)
+                return run.read
+        return _ReadState(self.table.n)
+
+    def _rotate_on_read(self, index: int, fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Layer `index`'s keys rotated from raw to the table's positions; `fresh` = (slot index [S], keys
+        [B, H, S, D] the engine rotated itself) are copied in as they are (bit-identical to a plain cache)."""
+        l = self.layers[index]
+        st = self._read_state()
+        n = l.n
+        cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
+        out = st.buffer(l)[:, :, :n]
+        _apply(l.raw_k[:, :, :n], cos, sin, l.spec, l.spec.attention_scaling, out=out)
+        if fresh is not None:
+            out[:, :, fresh[0].to(out.device)] = fresh[1].to(out.dtype)
+        self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
+        return out
+
+    def holds_keys(self, index: int, keys: torch.Tensor) -> bool:
+        """Whether `keys` are layer `index`'s keys as this cache handed them to attention (same storage)."""
+        l = self.layers[index]
+        if not l.allocated or keys.shape[2] != l.n:
+            return False
+        if l.storage == "rotated":
+            return keys.data_ptr() == l.rot_k.data_ptr()
+        return self._last_read == (index, keys.data_ptr())
 
     # -- validation helpers ----------------------------------------------------------------------------------------
     def _check_idle(self, op: str) -> int:
@@ -404,7 +517,7 @@ class PositionedKV:
 
     def _rerotate(self, start: int, end: int) -> None:
         """Recompute rot_k of slots [start, end) from raw_k, every layer; cos/sin computed once per distinct spec."""
-        if end <= start or self.layers[0].rot_k is None:
+        if end <= start or self.storage == "raw" or not self.layers[0].allocated:
             return
         pos = self.table.pos[:, start:end]
         for spec, idx in self._groups().values():
@@ -440,11 +553,15 @@ class PositionedKV:
             cos, sin = cos_sin(fw.pos, layer.spec, device=k_rot.device)
             cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
-        layer.append(k_rot, v, raw)
+        layer.append(k_rot if layer.storage == "rotated" else None, v, raw)
+        if layer.storage == "raw":
+            keys = self._rotate_on_read(index, (torch.arange(fw.n0, fw.n0 + S), k_rot))
+        else:
+            keys = layer.rot_k[:, :, : layer.n]
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
-            self._forward = None                    # committed
-        return layer.keys, layer.values
+            self._forward = None                    # committed (the scratch goes with it)
+        return keys, layer.values
 
     def _check_forward_start(self, index: int, k_rot: torch.Tensor, pos: torch.Tensor) -> None:
         """Validate a new forward's first write: positions, shapes against what the cache already holds."""
@@ -456,10 +573,10 @@ class PositionedKV:
         l = self.layers[index]
         if k_rot.dim() != 4 or k_rot.shape[-1] != l.spec.head_dim:
             fail(f"write layer {index}: keys", f"[B, H, S, D={l.spec.head_dim}]", tuple(k_rot.shape))
-        if n and (k_rot.shape[0] != self.table.batch_size or (l.rot_k is not None and (
-                k_rot.shape[1] != l.rot_k.shape[1] or k_rot.dtype != l.rot_k.dtype))):
-            fail(f"write layer {index}: keys", f"batch {self.table.batch_size}, {l.rot_k.shape[1]} kv heads, "
-                 f"{l.rot_k.dtype} (what the cache holds)", f"{tuple(k_rot.shape)} {k_rot.dtype}",
+        if n and (k_rot.shape[0] != self.table.batch_size or (l.allocated and (
+                k_rot.shape[1] != l.v.shape[1] or k_rot.dtype != l.key_dtype))):
+            fail(f"write layer {index}: keys", f"batch {self.table.batch_size}, {l.v.shape[1]} kv heads, "
+                 f"{l.key_dtype} (what the cache holds)", f"{tuple(k_rot.shape)} {k_rot.dtype}",
                  "a cache serves one model and one batch; reset() it or build another")
         self._check_new_positions(pos, f"write layer {index}: positions")
 
@@ -482,15 +599,15 @@ class PositionedKV:
         self._check_idle("appending")
         table = self.table
         saved_table = (table._pos, table._vis, table._seg, table.n)
-        saved_layers = [(l.rot_k, l.raw_k, l.v, l.n) for l in self.layers]
+        saved_layers = [(l.rot_k, l.raw_k, l.v, l.key_dtype, l.n) for l in self.layers]
         try:
             yield
         except BaseException:
             self._forward = None
             self.table = table
             table._pos, table._vis, table._seg, table.n = saved_table
-            for l, (rot, raw, v, n) in zip(self.layers, saved_layers):
-                l.rot_k, l.raw_k, l.v, l.n = rot, raw, v, n
+            for l, (rot, raw, v, kd, n) in zip(self.layers, saved_layers):
+                l.rot_k, l.raw_k, l.v, l.key_dtype, l.n = rot, raw, v, kd, n
             raise
 
     @contextlib.contextmanager
@@ -508,8 +625,10 @@ class PositionedKV:
         except BaseException:
             for i, (rot, raw, v) in ow.saved.items():
                 l = self.layers[i]
-                d = l.rot_k.device
-                l.rot_k[:, :, idx.to(d)], l.raw_k[:, :, idx.to(d)], l.v[:, :, idx.to(d)] = rot, raw, v
+                d = l.v.device
+                if rot is not None:
+                    l.rot_k[:, :, idx.to(d)] = rot
+                l.raw_k[:, :, idx.to(d)], l.v[:, :, idx.to(d)] = raw, v
             raise
         finally:
             self._overwrite = None
@@ -525,13 +644,17 @@ class PositionedKV:
         ow.pos = pos
         cos, sin = cos_sin(pos, l.spec, device=k.device)
         raw = _apply(k, cos[:, None], -sin[:, None], l.spec, 1.0 / l.spec.attention_scaling)
-        idx = ow.slots.to(l.rot_k.device)
+        idx = ow.slots.to(l.v.device)
+        rotated = l.storage == "rotated"
         if index not in ow.saved:
-            ow.saved[index] = (l.rot_k[:, :, idx].clone(), l.raw_k[:, :, idx].clone(), l.v[:, :, idx].clone())
-        l.rot_k[:, :, idx] = k.to(l.rot_k.dtype)
+            ow.saved[index] = (l.rot_k[:, :, idx].clone() if rotated else None, l.raw_k[:, :, idx].clone(),
+                               l.v[:, :, idx].clone())
+        if rotated:
+            l.rot_k[:, :, idx] = k.to(l.rot_k.dtype)
         l.raw_k[:, :, idx] = raw.to(l.raw_k.dtype)
         l.v[:, :, idx] = v.to(l.v.dtype)
-        return l.keys, l.values
+        keys = l.rot_k[:, :, : l.n] if rotated else self._rotate_on_read(index, (idx, k))
+        return keys, l.values
 
     # -- position operations -------------------------------------------------------------------------------------
     def shift_(self, start: int, end: int, delta: int) -> "PositionedKV":
@@ -594,8 +717,8 @@ class PositionedKV:
 
     def _select(self, idx: torch.Tensor) -> None:
         for l in self.layers:
-            if l.rot_k is not None:
-                l.select_(idx.to(l.rot_k.device))
+            if l.allocated:
+                l.select_(idx.to(l.v.device))
         if self.table._pos is not None:
             self.table.select_(idx.to(self.table._pos.device))
         self._maybe_shrink()
@@ -662,7 +785,7 @@ class PositionedKV:
         for l, (k, v) in zip(self.layers, kv):
             l.raw_k[:, :, sl] = k
             l.v[:, :, sl] = v
-        for spec, idx in self._groups().values():
+        for spec, idx in self._groups().values() if self.storage == "rotated" else ():
             layers = [self.layers[i] for i in idx]
             cos, sin = cos_sin(pos, spec, device=layers[0].rot_k.device)
             _apply_many([l.raw_k[:, :, sl] for l in layers], [l.rot_k[:, :, sl] for l in layers],
@@ -695,30 +818,30 @@ class PositionedKV:
                 fail(f"{what}[{i}]", "[B, H, S, D] raw keys and values", f"{tuple(k.shape)} / {tuple(v.shape)}")
             shape0 = shape0 or tuple(k.shape)
             B = B0 if B0 > 0 else max(shape0[0], 1)
-            H = l.rot_k.shape[1] if l.rot_k is not None else shape0[1]
+            H = l.v.shape[1] if l.allocated else shape0[1]
             if k.shape[0] not in (1, B) or k.shape[1] != H or k.shape[2] != shape0[2] or k.shape[3] != l.spec.head_dim:
                 fail(f"{what}[{i}] raw_keys", f"[B={B}|1, H={H}, S={shape0[2]}, D={l.spec.head_dim}]",
                      tuple(k.shape))
             Dv = l.v.shape[3] if l.v is not None else k.shape[3]
             if tuple(v.shape) != (k.shape[0], H, shape0[2], Dv):
                 fail(f"{what}[{i}] values", f"[{k.shape[0]}, H={H}, S={shape0[2]}, Dv={Dv}]", tuple(v.shape))
-            if l.rot_k is not None and k.device != l.rot_k.device:
-                fail(f"{what}[{i}]", f"tensors on {l.rot_k.device}", str(k.device))
+            if l.allocated and k.device != l.v.device:
+                fail(f"{what}[{i}]", f"tensors on {l.v.device}", str(k.device))
         B = B0 if B0 > 0 else max(shape0[0], 1)
         return B, shape0[2]
 
     def _reserve_all(self, need: int, like: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Grow every layer to `need` slots; if any allocation fails, no layer changes (all-or-nothing)."""
-        before = [(l.rot_k, l.raw_k, l.v) for l in self.layers]
+        before = [(l.rot_k, l.raw_k, l.v, l.key_dtype) for l in self.layers]
         try:
             for l, (k, v) in zip(self.layers, like):
-                if l.rot_k is None:
+                if not l.allocated:
                     l.reserve(k, v, need)
                 else:
-                    l.reserve(l.rot_k[:, :, :0], l.v[:, :, :0], need)
+                    l.reserve(l.raw_k[:, :, :0], l.v[:, :, :0], need)
         except BaseException:
-            for l, (rot, raw, v) in zip(self.layers, before):
-                l.rot_k, l.raw_k, l.v = rot, raw, v
+            for l, (rot, raw, v, kd) in zip(self.layers, before):
+                l.rot_k, l.raw_k, l.v, l.key_dtype = rot, raw, v, kd
             raise
 
     def reserve_(self, slots: int) -> "PositionedKV":
@@ -727,8 +850,8 @@ class PositionedKV:
         if slots < 0:
             fail("reserve_ slots", "an int >= 0", slots)
         self._check_idle("reserve_")
-        if self.layers[0].rot_k is not None:
-            self._reserve_all(slots, [(l.rot_k[:, :, :0], l.v[:, :, :0]) for l in self.layers])
+        if self.layers[0].allocated:
+            self._reserve_all(slots, [(l.raw_k[:, :, :0], l.v[:, :, :0]) for l in self.layers])
         if self.table._pos is not None:
             self.table.reserve(self.table.batch_size, slots, self.table._pos.device)
         return self
@@ -736,15 +859,16 @@ class PositionedKV:
     # -- structure -------------------------------------------------------------------------------------------------
     def empty_like(self) -> "PositionedKV":
         """A new empty cache of the same type with the same RoPE specs (subclasses carry their own settings)."""
-        return type(self)(self.specs, self.raw_dtype, self.origin)
+        return type(self)(self.specs, self.raw_dtype, self.origin, storage=self.storage)
 
     def copy(self, headroom: int = 0) -> "PositionedKV":
         """Deep copy of the valid slots (plus `headroom` free slots of capacity), not the source's whole capacity."""
         n = self._check_idle("copy")
         new = self.empty_like()
         for a, b in zip(self.layers, new.layers):
-            if a.rot_k is not None:
-                b.rot_k, b.raw_k, b.v = _regrow([a.rot_k, a.raw_k, a.v], 2, max(n + headroom, 1), n)
+            if a.allocated:
+                b.set_buffers(_regrow(a.buffers(), 2, max(n + headroom, 1), n))
+                b.key_dtype = a.key_dtype
             b.n = a.n
         new.table = self.table.copy(headroom)
         return new

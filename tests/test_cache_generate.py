@@ -12,13 +12,14 @@ def _ids(B=1, S=12, seed=1):
     return torch.randint(3, 128, (B, S), generator=g)
 
 
+@pytest.mark.parametrize("storage", ["rotated", "raw"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_greedy_generate_matches_dynamic_cache(arch):
+def test_greedy_generate_matches_dynamic_cache(arch, storage):
     model, cfg = tiny_model(arch)
     ids = _ids()
     kw = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref = model.generate(ids, cache=DynamicCache(config=cfg), **kw)
-    cache = PositionedCache.from_model(model)
+    cache = PositionedCache.from_model(model, storage=storage)
     got = model.generate(ids, cache=cache, **kw)
     assert got.sequences.tolist() == ref.sequences.tolist()
     assert (got.logits[0] - ref.logits[0]).abs().max() < 1e-4

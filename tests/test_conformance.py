@@ -11,7 +11,9 @@ from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 CACHES = {
     "dynamic": lambda model, cfg: DynamicCache(config=cfg),
     "positioned": lambda model, cfg: PositionedCache.from_model(model),
+    "positioned_raw": lambda model, cfg: PositionedCache.from_model(model, storage="raw"),   # rotate-on-read
 }
+POSITIONED = [k for k in CACHES if k != "dynamic"]
 
 
 def _ids(B=1, S=10, seed=1):
@@ -75,6 +77,8 @@ def test_crop_and_batch_operations_give_the_same_tensors_on_both():
         out[kind] = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
     for (a, b), (c, d) in zip(out["dynamic"], out["positioned"]):
         assert torch.equal(a, c) and torch.equal(b, d)
+    for (a, b), (c, d) in zip(out["dynamic"], out["positioned_raw"]):   # keys rotated from raw: rounding only
+        assert torch.allclose(a, c, rtol=0, atol=1e-5) and torch.equal(b, d)
 
 
 @pytest.mark.parametrize("kind", list(CACHES))
@@ -163,7 +167,8 @@ MODES = ["sampling", "beams", "beam_sampling", "left_padded", "prompt_lookup", "
 def test_generate_mode_gives_the_same_output_with_both_caches(arch, mode):
     model, cfg = tiny_model(arch)
     got = {kind: _mode(mode, arch, model, cfg, CACHES[kind](model, cfg)) for kind in CACHES}
-    assert got["positioned"] == got["dynamic"], f"{arch} {mode}"
+    for kind in POSITIONED:
+        assert got[kind] == got["dynamic"], f"{arch} {mode} {kind}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "cohere"])

@@ -18,11 +18,11 @@ def _specs(angle_dtype=torch.float32):
     return [a, b, a]
 
 
-def _cache(dtype=torch.float32, B=2, angle_dtype=torch.float32, seed=0):
+def _cache(dtype=torch.float32, B=2, angle_dtype=torch.float32, seed=0, storage="rotated"):
     g = torch.Generator().manual_seed(seed)
     raws = [(torch.randn(B, H, T0, D, generator=g).to(dtype), torch.randn(B, H, T0, D, generator=g).to(dtype))
             for _ in range(3)]
-    c = PositionedCache(_specs(angle_dtype))
+    c = PositionedCache(_specs(angle_dtype), storage=storage)
     c.append_raw_(raws, torch.arange(T0))
     return c, raws
 
@@ -102,6 +102,28 @@ def test_random_operation_sequences_bf16_within_one_rounding(seq):
     for op in seq:
         ids = _apply_op(cache, ids, op)
     _check(cache, raws, ids, tol_rel=2 ** -8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(ops, min_size=1, max_size=8))
+def test_random_operation_sequences_rotate_on_read(seq):
+    """storage="raw": keys rotated at read time from the slot table equal the float64 reference after any ops."""
+    cache, raws = _cache(angle_dtype=torch.float64, storage="raw")
+    ids = list(range(T0))
+    for op in seq:
+        ids = _apply_op(cache, ids, op)
+    _check(cache, raws, ids, tol_rel=2e-6)
+
+
+def test_rotate_on_read_position_ops_write_no_key():
+    """storage="raw": a position operation changes the slot table only; no key buffer is written or reallocated."""
+    cache, _ = _cache(storage="raw")
+    bufs = [[(b.data_ptr(), b._version) for b in l.buffers()] for l in cache.layers]
+    cache.shift_(4, 20, 100)
+    cache.set_positions_(0, 4, torch.arange(500, 504))
+    assert [[(b.data_ptr(), b._version) for b in l.buffers()] for l in cache.layers] == bufs
+    assert cache.positions[0, 4:8].tolist() == [104, 105, 106, 107]
+    assert all(len(l.buffers()) == 2 for l in cache.layers)        # raw keys and values only
 
 
 def test_many_moves_do_not_drift():

@@ -293,8 +293,8 @@ def test_prefix_strategy_is_exact_and_encodes_only_what_follows_the_first_edit(a
 def test_auto_picks_prefix_when_little_follows_the_first_edit_and_pie_otherwise():
     model = tiny_model("llama", num_hidden_layers=2)[0]
     doc = _doc(6, 40)
-    near = EditSession(model, doc).apply([Insert(36, [5, 6])], "auto+r8+k2+tail3")
-    far = EditSession(model, doc).apply([Insert(3, [5, 6])], "auto+r8+k2+tail3")
+    near = EditSession(model, doc).apply([Insert(36, [5, 6])], "auto+r8+k2+tail3+c0")
+    far = EditSession(model, doc).apply([Insert(3, [5, 6])], "auto+r8+k2+tail3+c0")
     assert near.strategy == "auto+r8+k2+tail3->prefix" and near.tokens_encoded == 42 - 36
     assert far.strategy == "auto+r8+k2+tail3->pie+k2+tail3"
     full, auto = EditSession(model, doc), EditSession(model, doc)

@@ -87,9 +87,8 @@ class Binding:
         if cache is None:
             fail(f"{type(self.backend).__name__}", "a cache bound with the backend", None,
                  "bind_attention(model, backend, cache)")
-        layer = cache.layers[call.layer]
-        n = layer.n
-        if call.key.shape[2] != n or layer.rot_k is None or call.key.data_ptr() != layer.rot_k.data_ptr():
+        n = cache.layers[call.layer].n
+        if not cache.holds_keys(call.layer, call.key):
             fail(f"{type(self.backend).__name__} layer {call.layer}",
                  f"the keys of the bound cache ({n} slots)", f"other keys ({call.key.shape[2]} slots)",
                  "run the forward with cache=<the bound cache>; the backend reads that cache's slots")

@@ -72,8 +72,9 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     is_croppable = True
     supports_early_init = True
 
-    def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None) -> None:
-        SlotLayer.__init__(self, spec, raw_dtype)  # CacheLayerMixin.__init__ would overwrite the keys/values views
+    def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
+                 storage: str = "rotated") -> None:
+        SlotLayer.__init__(self, spec, raw_dtype, storage)  # CacheLayerMixin.__init__ would overwrite keys/values
         self._owner_ref = weakref.ref(owner)       # no reference cycle: a dropped cache frees its buffers at once
         self.index = index
 
@@ -86,7 +87,14 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
 
     @property
     def is_initialized(self) -> bool:  # type: ignore[override]
-        return self.rot_k is not None
+        return self.allocated
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        """[B, H, T, D] keys at their current positions (storage="raw": rotated on read, see layer_keys)."""
+        if self.storage == "rotated":
+            return SlotLayer.keys.fget(self)
+        return self._owner.layer_keys(self.index)
 
     @property
     def device(self) -> torch.device:
@@ -94,22 +102,22 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         home = getattr(self, "_home", None)
         if home is not None:
             return home
-        return self.rot_k.device if self.rot_k is not None else torch.device("cpu")
+        return self.v.device if self.allocated else torch.device("cpu")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.reserve(key_states, value_states, 0)
 
     def offload(self) -> None:
         """Move this layer's buffers to CPU (transformers' layer offloading); `prefetch` brings them back."""
-        if self.rot_k is not None:
+        if self.allocated:
             self._home = self.device
-            self.rot_k, self.raw_k, self.v = (t.to("cpu", non_blocking=True) for t in (self.rot_k, self.raw_k, self.v))
+            self.set_buffers([t.to("cpu", non_blocking=True) for t in self.buffers()])
 
     def prefetch(self) -> None:
         """Bring offloaded buffers back to the layer's device."""
-        if self.rot_k is not None and self.rot_k.device != self.device:
+        if self.allocated and self.v.device != self.device:
             d = self.device
-            self.rot_k, self.raw_k, self.v = (t.to(d, non_blocking=True) for t in (self.rot_k, self.raw_k, self.v))
+            self.set_buffers([t.to(d, non_blocking=True) for t in self.buffers()])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,16 +158,18 @@ class PositionedCache(PositionedKV, Cache):
         cache.shift_(10, 40, +100)                                   # move slots 10..39 by +100 positions
         out2 = kvpos.integrations.hf.generate(model, cache, more_ids, max_new_tokens=20)
 
-    Memory: raw keys + rotated keys + values (1.5x a DynamicCache); buffers grow geometrically (no per-step cat).
+    Memory: storage="rotated" (default) keeps raw keys + rotated keys + values (1.5x a DynamicCache), buffers
+    growing geometrically (no per-step cat); storage="raw" keeps raw keys + values (the size of a DynamicCache) and
+    rotates keys on read, one layer at a time.
     """
 
     def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: Any = None,
-                 model_id: str | None = None, offloading: bool = False) -> None:
+                 model_id: str | None = None, offloading: bool = False, storage: str = "rotated") -> None:
         """Prefer `from_model(model)`: it reads the specs and binds the cache to that model (origin).
 
         offloading: keep every layer but the one computing on CPU (transformers' offloading=True; on a CPU-only
-        machine it moves nothing). Position operations bring every layer back first."""
-        PositionedKV.__init__(self, specs, raw_dtype, origin)
+        machine it moves nothing). Position operations bring every layer back first. storage: see the class."""
+        PositionedKV.__init__(self, specs, raw_dtype, origin, storage)
         Cache.__init__(self, layers=self.layers)
         if not isinstance(offloading, bool):
             fail("PositionedCache offloading", "a bool", type(offloading).__name__, exc=TypeError)
@@ -168,16 +178,16 @@ class PositionedCache(PositionedKV, Cache):
         self._limited = any(s.max_exact_position is not None for s in self.specs)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> PositionedLayer:
-        return PositionedLayer(self, index, spec, self.raw_dtype)
+        return PositionedLayer(self, index, spec, self.raw_dtype, self.storage)
 
     def empty_like(self) -> "PositionedCache":
-        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading)
+        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage)
 
     def __iter__(self):
         """Per layer (rotated keys [B, H, T, D], values, None): what DynamicCache yields, so that
         DynamicCache(ddp_cache_data=iter(cache)) rebuilds a plain cache (the data-parallel path)."""
-        for l in self.layers:
-            yield l.keys, l.values, None
+        for i, l in enumerate(self.layers):
+            yield self.layer_keys(i), l.values, None
 
     def _check_idle(self, op: str) -> int:
         if self.offloading:
@@ -193,11 +203,12 @@ class PositionedCache(PositionedKV, Cache):
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, raw_dtype: torch.dtype | None = None,
-                   angle_dtype: torch.dtype = torch.float32) -> "PositionedCache":
+                   angle_dtype: torch.dtype = torch.float32, storage: str = "rotated") -> "PositionedCache":
         """Build an empty cache for `model` (one RopeSpec per layer; refuses models it cannot serve exactly)."""
         specs = rope_specs_from_model(model, angle_dtype=angle_dtype)
         origin = _install_forward_hook(model)
-        return cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None))
+        return cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
+                   storage=storage)
 
     @classmethod
     def from_dynamic(cls, model: torch.nn.Module, cache: Cache, positions: Any = None,
