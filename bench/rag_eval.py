@@ -26,6 +26,7 @@ import random
 import re
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -38,6 +39,37 @@ from kvpos.data import continuation_items, needle_items, read_jsonl
 from kvpos.integrations.ape import calibrate_ape
 from kvpos.integrations.hf import load_model
 from kvpos.integrations.rag import ChatPromptBuilder, RagMethod, RagPipeline
+from kvpos.integrations.hf.models import rope_specs_from_config
+from kvpos.rope import rotate, unrotate
+from kvpos.store import ChunkKV, DiskBackend, MemoryBackend, dequantize_int8, quantize_int8
+
+
+class PostRopeInt8Backend(MemoryBackend):
+    """Comparison only: what storing keys int8 AFTER RoPE would give at equal bytes. Each chunk's raw keys are rotated
+    to the positions they were encoded at, quantized with the same int8 scheme (per channel over the chunk's tokens;
+    values per token), dequantized and un-rotated before they are kept; reads then serve them like any entry."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.specs = rope_specs_from_config(model.config)
+
+    def put(self, key: str, chunk: ChunkKV) -> bool:
+        pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens)
+        rot = torch.stack([rotate(chunk.raw_keys[i, None].float(), pos, s)[0] for i, s in enumerate(self.specs)])
+        q = quantize_int8(rot, chunk.values)
+        deq = dequantize_int8(q["keys"], q["keys_scale"], torch.float32)
+        raw = torch.stack([unrotate(deq[i, None], pos, s)[0] for i, s in enumerate(self.specs)])
+        return super().put(key, ChunkKV(chunk.ids, raw.to(chunk.raw_keys.dtype),
+                                        dequantize_int8(q["values"], q["values_scale"], chunk.values.dtype),
+                                        chunk.start, chunk.fingerprint, chunk.meta))
+
+
+def store_backend(scheme: str, model, tmp: str):
+    """The chunk store's backend for --store-scheme: None (memory, float), a DiskBackend writing int8 entries, or the
+    post-RoPE int8 comparison."""
+    if scheme == "float":
+        return None
+    return DiskBackend(tmp, scheme="int8") if scheme == "int8" else PostRopeInt8Backend(model)
 
 
 def _norm(s: str) -> str:
@@ -60,12 +92,15 @@ def build_methods(link_ks, ratio: float, ape_params: dict | None = None, attn: t
 
 
 @torch.no_grad()
-def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_new: int) -> dict:
+def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_new: int,
+             precompute: bool = False) -> dict:
     tok = rag.tok
     per: dict[str, dict[str, list]] = {m.name: {k: [] for k in ("acc", "exact", "nll", "agree", "kl", "cont", "t",
                                                                   "ttft")} for m in methods}
     for idx, item in enumerate(tqdm(items, desc="rag_eval items", file=sys.stdout)):
         parts = rag.builder.parts(item["passages"], item["question"])
+        if precompute:                                       # every method reads chunks back from the store
+            rag.composer.precompute(parts.chunks, progress=False)
         gold = torch.tensor(tok(item["answer"], add_special_tokens=False).input_ids, dtype=torch.long)
         Q = parts.question.numel()
         full_text, full_p = None, None
@@ -153,6 +188,10 @@ def main() -> None:
     ap.add_argument("--single-message", action="store_true",
                     help="all passages in one user message (default: one user message per passage, which keeps "
                          "independently encoded chunks much closer to full prefill; see ChatPromptBuilder)")
+    ap.add_argument("--store-scheme", choices=["float", "int8", "int8-post-rope"], default="float",
+                    help="chunk store entries: float (memory, default), int8 (pre-RoPE keys per channel, values per "
+                         "token, in a temporary disk store), int8-post-rope (the same int8 applied after RoPE, for "
+                         "comparison); with a quantized scheme every item's passages are stored before its methods run")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
@@ -167,7 +206,8 @@ def main() -> None:
     else:
         items = needle_items(tok, a.n, a.passages, a.passage_tokens, a.seed)
         items += continuation_items(tok, a.n_cont, seed=a.seed + 1)
-    rag = RagPipeline(model, tok, builder=builder)
+    tmp = tempfile.TemporaryDirectory(prefix="kvpos-rag-eval-")
+    rag = RagPipeline(model, tok, builder=builder, backend=store_backend(a.store_scheme, model, tmp.name))
     ape_params = None
     if a.ape:
         T = a.temperature if a.temperature is not None else DEFAULT_TEMPERATURE
@@ -188,7 +228,7 @@ def main() -> None:
     methods = build_methods(a.link_k, a.ratio, ape_params, tuple(a.attn), tuple(a.ape_seq))
     if a.only is not None:
         methods = [m for m in methods if m.name in ("full", "prefix") or m.name in a.only or m.name.startswith("ape")]
-    res = evaluate(rag, methods, items, a.max_new)
+    res = evaluate(rag, methods, items, a.max_new, precompute=a.store_scheme != "float")
     n_q = sum(1 for i in items if i.get("task") != "continuation")
     rows = [{"method": k, **v} for k, v in res.items()]
     cols = ["method", "accuracy", "accuracy_vs_full", "exact", "nll", "agree_full", "kl", "continuation_nll",

@@ -224,3 +224,92 @@ def test_tiered_backend_reads_near_first_and_fails_without_changing_either_tier(
     assert tb.near.get(key) is None and far.get(key) is None
     with pytest.raises(TypeError, match="TieredBackend near: expected a MemoryBackend"):
         TieredBackend(far, far)
+
+
+# -- int8 entries ------------------------------------------------------------------------------------------------------
+
+def _int8_ref(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference of symmetric int8 quantization along `dim` (one scale per slice): (dequantized, scale)."""
+    xd = x.double()
+    scale = xd.abs().amax(dim=dim, keepdim=True) / 127.0
+    q = torch.where(scale > 0, (xd / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127), 0.0)
+    return q * scale, scale.expand_as(xd)
+
+
+@pytest.mark.parametrize("name", ["disk", "redis"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_entries_are_keys_per_channel_values_per_token_and_a_quarter_of_the_bytes(tmp_path, redis_server, name,
+                                                                                       dtype):
+    backend = {"disk": DiskBackend(tmp_path / "q", scheme="int8"),
+               "redis": RedisBackend(port=redis_server, prefix=f"q{os.getpid()}:", scheme="int8")}[name]
+    store = ChunkStore(backend, FP, namespace=f"q-{dtype}")
+    c = _chunk(S=64, dtype=dtype)
+    c.raw_keys[:, :, :, 3] *= 40                                    # an outlier channel stays in its own scale
+    c.values[1, 0, 5] = 0                                           # an all-zero token dequantizes to zeros
+    store.put(c)
+    got = store.get(c.ids)
+    assert got.raw_keys.dtype == dtype and got.values.dtype == dtype and torch.equal(got.ids, c.ids)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    for gotx, x, dim in ((got.raw_keys, c.raw_keys, 2), (got.values, c.values, 3)):
+        ref, scale = _int8_ref(x, dim)
+        err = (gotx.double() - ref).abs()
+        exact = err <= tol * ref.abs() + 1e-6                       # the reference's integer, rounded to dtype
+        tie = (err - scale).abs() <= tol * ref.abs() + 1e-6         # one step off: float32 vs float64 at a .5 tie
+        assert (exact | tie).all() and exact.float().mean() > 0.99
+        assert (gotx.double() - x.double()).abs().le(scale / 2 + tol * x.double().abs() + 1e-6).float().mean() > 0.99
+    assert torch.equal(got.values[1, 0, 5], torch.zeros(8, dtype=dtype))
+    g = torch.Generator().manual_seed(3)                            # head_dim 64 (SmolLM2's): scales weigh 1/64
+    big = ChunkKV(torch.arange(512), torch.randn(2, 3, 512, 64, generator=g), torch.randn(2, 3, 512, 64, generator=g),
+                  0, FP)
+    ratio = len(serialize(big, "int8")) / len(serialize(big))
+    assert ratio < 0.3, ratio
+
+
+def test_a_float_store_reads_int8_entries_and_an_int8_store_reads_float_entries(tmp_path):
+    c = _chunk(S=16)
+    ChunkStore(DiskBackend(tmp_path / "s"), FP, namespace="mix").put(c)
+    got = ChunkStore(DiskBackend(tmp_path / "s", scheme="int8"), FP, namespace="mix").get(c.ids)
+    assert torch.equal(got.raw_keys, c.raw_keys)                     # old float entries load as they were
+    ChunkStore(DiskBackend(tmp_path / "s", scheme="int8"), FP, namespace="mix2").put(c)
+    got = ChunkStore(DiskBackend(tmp_path / "s"), FP, namespace="mix2").get(c.ids)
+    assert (got.raw_keys - c.raw_keys).abs().max() < 0.05 and not torch.equal(got.raw_keys, c.raw_keys)
+
+
+def _resigned(blob: bytes, edit) -> bytes:
+    """A re-signed entry: parse, let `edit` change tensors / metadata, recompute the checksum, save."""
+    from safetensors import safe_open
+    from safetensors.torch import load, save
+    from kvpos.store import _checksum
+    import tempfile
+    tensors = load(blob)
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(blob)
+        f.flush()
+        with safe_open(f.name, "pt") as h:
+            meta = dict(h.metadata())
+    edit(tensors, meta)
+    meta["checksum"] = _checksum(tensors, meta)
+    return save(tensors, metadata=meta)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t, m: t.update(keys_scale=t["keys_scale"][:, :, :, :4].contiguous()),        # scale shape
+    lambda t, m: t.update(values_scale=-t["values_scale"]),                               # negative scale
+    lambda t, m: t.update(keys_scale=t["keys_scale"] * float("nan")),                     # NaN scale
+    lambda t, m: t.update(keys=t["keys"].float()),                                        # not int8
+    lambda t, m: t.pop("values_scale"),                                                   # missing tensor
+    lambda t, m: m.update(scheme="int4/float32"),                                         # unknown scheme
+    lambda t, m: m.pop("scheme"),                                                         # int8 tensors, no scheme
+    lambda t, m: m.update(scheme="int8/float64"),                                         # dtype outside the list
+])
+def test_crafted_int8_entries_are_corrupt_not_served(edit):
+    blob = _resigned(serialize(_chunk(S=16), "int8"), edit)
+    with pytest.raises(CorruptChunkError):
+        deserialize(blob)
+
+
+def test_scheme_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"DiskBackend scheme: expected 'float' or 'int8', got 'int4'"):
+        DiskBackend(tmp_path / "x", scheme="int4")
+    with pytest.raises(ValueError, match=r"serialize scheme"):
+        serialize(_chunk(), "fp8")

@@ -59,13 +59,15 @@ logger = init_logger("vllm.kvpos")             # under vLLM's logger, so its han
 __all__ = ["KvposConnector", "KvposMetadata", "parse_segments", "open_store"]
 
 
-def open_store_backend(spec: str) -> Any:
-    """A ChunkStore backend from "redis://host:port/db[?prefix=p]" or "disk:///absolute/root"."""
+def open_store_backend(spec: str, scheme: str = "float") -> Any:
+    """A ChunkStore backend from "redis://host:port/db[?prefix=p]" or "disk:///absolute/root"; scheme: how it
+    writes new entries ("float" or "int8", kvpos.store.SCHEMES)."""
     m = re.fullmatch(r"redis://([^:/]+):(\d+)(?:/(\d+))?(?:\?prefix=([A-Za-z0-9._:-]*))?", spec or "")
     if m:
-        return RedisBackend(m[1], int(m[2]), int(m[3] or 0), prefix=m[4] if m[4] is not None else "kvpos:")
+        return RedisBackend(m[1], int(m[2]), int(m[3] or 0), prefix=m[4] if m[4] is not None else "kvpos:",
+                            scheme=scheme)
     if spec.startswith("disk://") and os.path.isabs(spec[len("disk://"):]):
-        return DiskBackend(spec[len("disk://"):])
+        return DiskBackend(spec[len("disk://"):], scheme=scheme)
     fail("kv_connector_extra_config store", "'redis://host:port/db' or 'disk:///absolute/path'", repr(spec))
 
 
@@ -129,8 +131,8 @@ class _Plan:
 
 class KvposConnector(KVConnectorBase_V1):
     """See the module docstring. extra config: store (required), namespace ("default"), save (True), memory_mb
-    (1024: a worker-memory tier in front of the store, 0 for none). Per request: segments, save, memory (True: use
-    the memory tier; False: read from the store itself)."""
+    (1024: a worker-memory tier in front of the store, 0 for none), scheme ("float"; "int8" writes int8 entries).
+    Per request: segments, save, memory (True: use the memory tier; False: read from the store itself)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -138,7 +140,8 @@ class KvposConnector(KVConnectorBase_V1):
         self._block = int(vllm_config.cache_config.block_size)
         self._namespace = str(cfg.get_from_extra_config("namespace", "default"))
         self._save = bool(cfg.get_from_extra_config("save", True))
-        self._far = open_store_backend(cfg.get_from_extra_config("store", None))
+        self._far = open_store_backend(cfg.get_from_extra_config("store", None),
+                                       cfg.get_from_extra_config("scheme", "float"))
         memory_mb = cfg.get_from_extra_config("memory_mb", 1024)
         if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
             fail("kv_connector_extra_config memory_mb", "an int >= 0 (MiB of worker memory; 0 = no memory tier)",

@@ -1,0 +1,210 @@
+"""KV memory and decode speed of each cache storage, side by side in one run, on the default model.
+
+    python bench/bench_memory.py --json results/bench_memory.json [--contexts 2048 8192 32768] [--steps 8]
+
+For each model dtype (fp32, bf16) and context length, three caches hold the same number of tokens:
+  dynamic   transformers' DynamicCache (rotated keys + values)
+  rotated   PositionedCache storage="rotated" (raw keys + rotated keys + values; attention reads stored keys)
+  raw       PositionedCache storage="raw" (raw keys + values; keys rotated on read into one per-forward scratch buffer)
+The caches are filled with random keys and values (bytes and decode time do not depend on the values; 32k tokens is
+beyond what a CPU prefills in a benchmark's time), then each decodes `--steps` tokens with a plain forward loop,
+modes alternating for `--reps` rounds; the median per-token time gives tokens/s. cache_bytes = bytes allocated for
+keys, values and positions between forwards (capacity, growth slack included); forward_scratch_bytes = what a
+forward allocates on top while it runs (raw: one layer's rotated keys plus cos/sin). shift_ms = `shift_` of the
+first half of the slots (rotated: re-rotates every moved key; raw: writes the slot table only).
+
+Store rows: bytes per token of one 512-token chunk in the kvpos store format, and `ChunkStore.get` time (verified
+read) from a DiskBackend and from a local redis-server.
+
+Look at: ratio_vs_dynamic of raw (target <= 1.02) and decode_ratio_vs_dynamic (target >= 0.95 at 2k and 8k).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from _common import machine, markdown_table, plot, write_outputs
+from kvpos.integrations.hf import PositionedCache, load_model
+from kvpos.integrations.hf.models import rope_specs_from_config
+from kvpos.store import ChunkKV, ChunkStore, DiskBackend, RedisBackend, model_fingerprint, serialize
+
+MODES = ("dynamic", "rotated", "raw")
+
+
+def _kv_dims(model) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config."""
+    c = model.config
+    return c.num_hidden_layers, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def random_kv(model, ctx: int, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [1, H, ctx, D] of `dtype`, normal(0, 1)."""
+    L, H, D = _kv_dims(model)
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, H, ctx, D, generator=g).to(dtype), torch.randn(1, H, ctx, D, generator=g).to(dtype))
+            for _ in range(L)]
+
+
+def build(model, mode: str, kv) -> DynamicCache | PositionedCache:
+    """A cache of `mode` holding `kv` at positions 0..T-1 (raw keys for PositionedCache, as-is for DynamicCache)."""
+    if mode == "dynamic":
+        c = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(kv):
+            c.update(k.clone(), v.clone(), i)
+        return c
+    c = PositionedCache.from_model(model, storage=mode)
+    c.append_raw_(kv, torch.arange(kv[0][0].shape[2]))
+    return c
+
+
+def cache_bytes(cache) -> int:
+    """Bytes allocated for keys, values (and positions) between forwards."""
+    if isinstance(cache, PositionedCache):
+        n = sum(b.numel() * b.element_size() for l in cache.layers for b in l.buffers())
+        return n + cache.positions.numel() * 8
+    return sum(t.numel() * t.element_size() for l in cache.layers for t in (l.keys, l.values))
+
+
+def scratch_bytes(cache) -> int:
+    """What a forward allocates on top of the resident cache (raw: one layer of rotated keys + cos/sin per spec)."""
+    if not isinstance(cache, PositionedCache) or cache.storage != "raw":
+        return 0
+    l = cache.layers[0]
+    B, H, n, D = l.buffers()[0].shape[0], l.buffers()[0].shape[1], cache.num_slots, l.buffers()[0].shape[3]
+    specs = {id(x.spec): x.spec for x in cache.layers}
+    return B * H * n * D * l.buffers()[0].element_size() + sum(2 * B * n * (s.rotary_dim // 2) * 4 for s in specs.values())
+
+
+@torch.no_grad()
+def decode_times(model, cache, steps: int, seed: int) -> list[float]:
+    """Per-token seconds of `steps` greedy forwards of one token each (the first, which warms, dropped)."""
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(100, model.config.vocab_size - 100, (1, 1), generator=g)
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        ts.append(time.perf_counter() - t)
+    return ts[1:]
+
+
+def shift_ms(cache, reps: int = 5) -> float | None:
+    """Median ms of shift_(0, T/2, +1) then back (two calls, halved)."""
+    if not isinstance(cache, PositionedCache):
+        return None
+    half, ts = cache.num_slots // 2, []
+    for _ in range(reps):
+        t = time.perf_counter()
+        cache.shift_(0, half, 1)
+        cache.shift_(0, half, -1)
+        ts.append((time.perf_counter() - t) / 2)
+    return 1e3 * statistics.median(ts)
+
+
+def memory_rows(model, dtype_name: str, contexts, steps: int, reps: int) -> list[dict]:
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    model.to(dtype)
+    rows = []
+    for ctx in tqdm(contexts, desc=f"contexts ({dtype_name})"):
+        kv = random_kv(model, ctx, dtype)
+        caches = {m: build(model, m, kv) for m in MODES}
+        del kv
+        size = {m: cache_bytes(c) for m, c in caches.items()}
+        times = {m: [] for m in MODES}
+        for r in range(reps):                                   # A/B/C alternation: drift hits every mode alike
+            for m in MODES:
+                times[m].extend(decode_times(model, caches[m], steps, seed=r))
+        for m in MODES:
+            tps = 1.0 / statistics.median(times[m])
+            rows.append({"context": ctx, "mode": m, "dtype": dtype_name, "cache_bytes": size[m],
+                         "ratio_vs_dynamic": size[m] / size["dynamic"],
+                         "forward_scratch_bytes": scratch_bytes(caches[m]),
+                         "decode_tokens_per_s": tps, "shift_ms": shift_ms(caches[m])})
+        base = next(r["decode_tokens_per_s"] for r in rows[-3:] if r["mode"] == "dynamic")
+        for r in rows[-3:]:
+            r["decode_ratio_vs_dynamic"] = r["decode_tokens_per_s"] / base
+        del caches
+    return rows
+
+
+def store_rows(model, reps: int) -> list[dict]:
+    """Bytes per token of one 512-token chunk and its verified read time from disk and Redis, fp32 and bf16."""
+    from kvpos.integrations.servers import start_redis
+
+    L, H, D = _kv_dims(model)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = start_redis(tmp)
+        try:
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                model.to(dtype)
+                fp = model_fingerprint(model, torch.arange(4), rope_specs_from_config(model.config))
+                g = torch.Generator().manual_seed(1)
+                S = 512
+                chunk = ChunkKV(torch.randint(0, 1000, (S,), generator=g), torch.randn(L, H, S, D, generator=g).to(dtype),
+                                torch.randn(L, H, S, D, generator=g).to(dtype), 0, fp)
+                per_tok = len(serialize(chunk)) / S
+                for backend_name, backend in (("disk", DiskBackend(f"{tmp}/store")),
+                                              ("redis", RedisBackend(port=port, prefix=f"bench-{name}:"))):
+                    store = ChunkStore(backend, fp)
+                    store.put(chunk)
+                    ts = []
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        got = store.get(chunk.ids)
+                        ts.append(time.perf_counter() - t)
+                        assert got is not None and torch.equal(got.values, chunk.values)
+                    rows.append({"dtype": name, "backend": backend_name, "chunk_tokens": S,
+                                 "bytes_per_token": per_tok, "fetch_ms": 1e3 * statistics.median(ts),
+                                 "fetch_ms_per_1k_tokens": 1e3 * statistics.median(ts) * 1000 / S})
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--steps", type=int, default=9, help="forwards per round (the first of each warms, dropped)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-store", action="store_true", help="skip the store rows (they start a redis-server)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if any(c < 16 for c in a.contexts) or a.steps < 2 or a.reps < 1:
+        raise SystemExit(f"expected contexts >= 16, steps >= 2, reps >= 1; got {a.contexts}, {a.steps}, {a.reps}")
+    torch.set_num_threads(a.threads)
+    model, _ = load_model(a.model)
+    rows = [r for d in a.dtypes for r in memory_rows(model, d, a.contexts, a.steps, a.reps)]
+    store = [] if a.no_store else store_rows(model, reps=7)
+    cols = ["context", "mode", "dtype", "cache_bytes", "ratio_vs_dynamic", "forward_scratch_bytes",
+            "decode_tokens_per_s", "decode_ratio_vs_dynamic", "shift_ms"]
+    table = markdown_table(rows, cols, {"ratio_vs_dynamic": ".3f", "decode_tokens_per_s": ".2f",
+                                        "decode_ratio_vs_dynamic": ".3f", "shift_ms": ".2f"})
+    if store:
+        table += "\n\n" + markdown_table(store, ["dtype", "backend", "chunk_tokens", "bytes_per_token", "fetch_ms",
+                                                 "fetch_ms_per_1k_tokens"],
+                                         {"bytes_per_token": ".0f", "fetch_ms": ".2f", "fetch_ms_per_1k_tokens": ".2f"})
+    payload = {"model": getattr(model, "name_or_path", "?"), "steps": a.steps, "reps": a.reps, "machine": machine(),
+               "rows": rows, "store": store}
+    write_outputs(a.json, payload, table)
+    png = a.json and a.json.rsplit(".", 1)[0] + ".png"
+    series = {f"{m} {d} (x: context, y: decode ratio)": ([r["context"] for r in rows if r["mode"] == m and r["dtype"] == d],
+                                                          [r["decode_ratio_vs_dynamic"] for r in rows
+                                                           if r["mode"] == m and r["dtype"] == d])
+              for m in MODES[1:] for d in a.dtypes}
+    plot(png, series, "context tokens", "decode tokens/s / DynamicCache", "Decode speed by cache storage, CPU",
+         logx=True)
+
+
+if __name__ == "__main__":
+    main()
