@@ -304,9 +304,10 @@ def render(payload: dict) -> str:
 
 
 def write_report(path: str | None, payload: dict) -> None:
-    """Print the report; write JSON + markdown (and, for a finished run, the two plots) beside `path`."""
+    """Print the report; write JSON + markdown and the two plots beside `path` (a stopped run's plots show the
+    samples it finished; its JSON says partial)."""
     write_outputs(path, payload, render(payload))
-    if not payload.get("partial") and path:
+    if path:
         plot_cost_quality(payload["tasks"], path.rsplit(".", 1)[0] + ".png")
         plot_distance(payload.get("by_distance") or [], path.rsplit(".", 1)[0] + "_distance.png")
 
