@@ -13,8 +13,8 @@ keys, values and positions between forwards (capacity, growth slack included); f
 forward allocates on top while it runs (raw: one layer's rotated keys plus cos/sin). shift_ms = `shift_` of the
 first half of the slots (rotated: re-rotates every moved key; raw: writes the slot table only).
 
-Store rows: bytes per token of one 512-token chunk in the kvpos store format, and `ChunkStore.get` time (verified
-read) from a DiskBackend and from a local redis-server.
+Store rows: bytes per token of one 512-token chunk in the kvpos store format (scheme float and int8), and
+`ChunkStore.get` time (verified read, int8 dequantized) from a DiskBackend and from a local redis-server.
 
 Look at: ratio_vs_dynamic of raw (target <= 1.02) and decode_ratio_vs_dynamic (target >= 0.95 at 2k and 8k).
 """
@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from _common import machine, markdown_table, plot, write_outputs
 from kvpos.integrations.hf import PositionedCache, load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
-from kvpos.store import ChunkKV, ChunkStore, DiskBackend, RedisBackend, model_fingerprint, serialize
+from kvpos.store import SCHEMES, ChunkKV, ChunkStore, DiskBackend, RedisBackend, model_fingerprint, serialize
 
 MODES = ("dynamic", "rotated", "raw")
 
@@ -149,20 +149,25 @@ def store_rows(model, reps: int) -> list[dict]:
                 S = 512
                 chunk = ChunkKV(torch.randint(0, 1000, (S,), generator=g), torch.randn(L, H, S, D, generator=g).to(dtype),
                                 torch.randn(L, H, S, D, generator=g).to(dtype), 0, fp)
-                per_tok = len(serialize(chunk)) / S
-                for backend_name, backend in (("disk", DiskBackend(f"{tmp}/store")),
-                                              ("redis", RedisBackend(port=port, prefix=f"bench-{name}:"))):
-                    store = ChunkStore(backend, fp)
-                    store.put(chunk)
-                    ts = []
-                    for _ in range(reps):
-                        t = time.perf_counter()
-                        got = store.get(chunk.ids)
-                        ts.append(time.perf_counter() - t)
-                        assert got is not None and torch.equal(got.values, chunk.values)
-                    rows.append({"dtype": name, "backend": backend_name, "chunk_tokens": S,
-                                 "bytes_per_token": per_tok, "fetch_ms": 1e3 * statistics.median(ts),
-                                 "fetch_ms_per_1k_tokens": 1e3 * statistics.median(ts) * 1000 / S})
+                for scheme in SCHEMES:
+                    per_tok = len(serialize(chunk, scheme)) / S
+                    for backend_name, backend in (
+                            ("disk", DiskBackend(f"{tmp}/store-{scheme}", scheme=scheme)),
+                            ("redis", RedisBackend(port=port, prefix=f"bench-{name}-{scheme}:", scheme=scheme))):
+                        store = ChunkStore(backend, fp)
+                        store.put(chunk)
+                        ts = []
+                        for _ in range(reps):
+                            t = time.perf_counter()
+                            got = store.get(chunk.ids)
+                            ts.append(time.perf_counter() - t)
+                            assert got is not None and got.values.shape == chunk.values.shape
+                        rows.append({"dtype": name, "scheme": scheme, "backend": backend_name, "chunk_tokens": S,
+                                     "bytes_per_token": per_tok, "fetch_ms": 1e3 * statistics.median(ts),
+                                     "fetch_ms_per_1k_tokens": 1e3 * statistics.median(ts) * 1000 / S})
+                base = next(r["bytes_per_token"] for r in rows if r["dtype"] == "fp32" and r["scheme"] == "float")
+                for r in rows:
+                    r["bytes_vs_fp32_float"] = r["bytes_per_token"] / base
         finally:
             proc.terminate()
             proc.wait(timeout=10)
@@ -191,9 +196,10 @@ def main() -> None:
     table = markdown_table(rows, cols, {"ratio_vs_dynamic": ".3f", "decode_tokens_per_s": ".2f",
                                         "decode_ratio_vs_dynamic": ".3f", "shift_ms": ".2f"})
     if store:
-        table += "\n\n" + markdown_table(store, ["dtype", "backend", "chunk_tokens", "bytes_per_token", "fetch_ms",
-                                                 "fetch_ms_per_1k_tokens"],
-                                         {"bytes_per_token": ".0f", "fetch_ms": ".2f", "fetch_ms_per_1k_tokens": ".2f"})
+        table += "\n\n" + markdown_table(store, ["dtype", "scheme", "backend", "chunk_tokens", "bytes_per_token",
+                                                 "bytes_vs_fp32_float", "fetch_ms", "fetch_ms_per_1k_tokens"],
+                                         {"bytes_per_token": ".0f", "bytes_vs_fp32_float": ".3f", "fetch_ms": ".2f",
+                                          "fetch_ms_per_1k_tokens": ".2f"})
     payload = {"model": getattr(model, "name_or_path", "?"), "steps": a.steps, "reps": a.reps, "machine": machine(),
                "rows": rows, "store": store}
     write_outputs(a.json, payload, table)
