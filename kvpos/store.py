@@ -39,6 +39,7 @@ import struct
 import tempfile
 import threading
 from collections import OrderedDict
+from types import MappingProxyType
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Protocol
 
@@ -63,8 +64,9 @@ _MAX_HEADER = 1 << 20
 # where a channel's outliers stay in that channel), values int8 per token (one scale per layer, head and token);
 # read back as the dtype they were computed in. 0.27x the bytes of a float32 entry (0.53x of bfloat16).
 SCHEMES = ("float", "int8")
-_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TENSORS = {"float": {"ids", "keys", "values"}, "int8": {"ids", "keys", "values", "keys_scale", "values_scale"}}
+_FLOAT_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+_TENSORS = MappingProxyType({"float": frozenset({"ids", "keys", "values"}),
+                             "int8": frozenset({"ids", "keys", "values", "keys_scale", "values_scale"})})
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
