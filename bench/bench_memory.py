@@ -75,10 +75,11 @@ def scratch_bytes(cache) -> int:
     """What a forward allocates on top of the resident cache (raw: one layer of rotated keys + cos/sin per spec)."""
     if not isinstance(cache, PositionedCache) or cache.storage != "raw":
         return 0
-    l = cache.layers[0]
-    B, H, n, D = l.buffers()[0].shape[0], l.buffers()[0].shape[1], cache.num_slots, l.buffers()[0].shape[3]
+    raw = cache.layers[0].raw_k
+    B, H, _, D = raw.shape
+    n = cache.num_slots
     specs = {id(x.spec): x.spec for x in cache.layers}
-    return B * H * n * D * l.buffers()[0].element_size() + sum(2 * B * n * (s.rotary_dim // 2) * 4 for s in specs.values())
+    return B * H * n * D * raw.element_size() + sum(2 * B * n * (s.rotary_dim // 2) * 4 for s in specs.values())
 
 
 @torch.no_grad()

@@ -238,7 +238,7 @@ class SlotLayer:
         """Make room for `need` slots (copies only the valid prefix; all-or-nothing)."""
         if self.v is None:
             B, H, _, D = like_k.shape
-            cap = self._cap(0, need) if self.storage == "raw" else _grown(0, need)
+            cap = self._cap(0, need)
             raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device)
             v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device)
             rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device) if self.storage == "rotated" else None
@@ -463,16 +463,25 @@ class PositionedKV:
                 return run.read
         return _ReadState(self.table.n)
 
-    def _rotate_on_read(self, index: int, fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Layer `index`'s keys rotated from raw to the table's positions; `fresh` = (slot index [S], keys
-        [B, H, S, D] the engine rotated itself) are copied in as they are (bit-identical to a plain cache)."""
+    def _rotate_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+        """Layer `index`'s keys rotated from raw to the table's positions. `fresh` = (slots, keys [B, H, S, D] the
+        engine rotated itself) are copied in as they are (bit-identical to a plain cache): slots an int m for the
+        tail [m, n) (a forward's new slots: only [0, m) is rotated), or a slot index [S] (a recompute)."""
         l = self.layers[index]
         st = self._read_state()
         n = l.n
+        upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
         cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
         out = st.buffer(l)[:, :, :n]
-        _apply(l.raw_k[:, :, :n], cos, sin, l.spec, l.spec.attention_scaling, out=out)
-        if fresh is not None:
+        if upto:
+            _apply(l.raw_k[:, :, :upto], cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling,
+                   out=out[:, :, :upto])
+        if fresh is None:
+            pass
+        elif isinstance(fresh[0], int):
+            out[:, :, upto:] = fresh[1].to(out.dtype)
+        else:
             out[:, :, fresh[0].to(out.device)] = fresh[1].to(out.dtype)
         self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
         return out
@@ -555,7 +564,7 @@ class PositionedKV:
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
         layer.append(k_rot if layer.storage == "rotated" else None, v, raw)
         if layer.storage == "raw":
-            keys = self._rotate_on_read(index, (torch.arange(fw.n0, fw.n0 + S), k_rot))
+            keys = self._rotate_on_read(index, (fw.n0, k_rot))
         else:
             keys = layer.rot_k[:, :, : layer.n]
         fw.done.add(index)
