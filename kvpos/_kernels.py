@@ -266,6 +266,8 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     """
     if not xs:
         return True
+    if torch.compiler.is_compiling():
+        return False       # inside torch.compile: the torch path, which the compiler traces and fuses (ctypes it cannot)
     shape, dtype = xs[0].shape, xs[0].dtype
     xst, ost = [x.stride() for x in xs], [o.stride() for o in outs]
     xp, op = [x.data_ptr() for x in xs], [o.data_ptr() for o in outs]

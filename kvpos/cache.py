@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -64,15 +64,35 @@ def _alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device, fill:
                           f"allocation failure ({type(e).__name__}); the cache is unchanged") from e
 
 
-def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int) -> list[torch.Tensor]:
-    """New buffers of capacity `cap` along `dim` holding the first `valid` entries of each of `bufs`.
+def _sized(fixed: int | None, old: int, need: int, grow: Callable[[int, int], int]) -> int:
+    """The capacity for `need` slots: `grow(old, need)`, or the fixed capacity (refusing more than it holds)."""
+    if fixed is None:
+        return grow(old, need)
+    if need > fixed:
+        fail("fixed-capacity cache", f"at most {fixed} slots (its capacity)", f"{need} slots",
+             "build the cache with a larger capacity=, or without capacity= (buffers then grow)")
+    return fixed
+
+
+def _dynamic_capacity(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Tell torch.compile that `t`'s capacity dimension changes (a regrow then reuses the compiled graphs instead of
+    specialising on each size); no effect on eager code. Inside a trace the new buffer is already symbolic."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    return t
+
+
+def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int, fixed: bool = False) -> list[torch.Tensor]:
+    """New buffers of capacity `cap` along `dim` holding the first `valid` entries of each of `bufs` (fixed: a
+    fixed-capacity cache's buffers: zeros beyond `valid`, static size under torch.compile).
 
     All new buffers are allocated before any copy, so an allocation failure leaves the caller's buffers in use."""
     new = []
     for b in bufs:
         shape = list(b.shape)
         shape[dim] = cap
-        new.append(_alloc(shape, b.dtype, b.device))
+        new.append(_alloc(shape, b.dtype, b.device, 0) if fixed else _dynamic_capacity(_alloc(shape, b.dtype,
+                                                                                               b.device), dim))
     for b, n in zip(bufs, new):
         n.narrow(dim, 0, valid).copy_(b.narrow(dim, 0, valid))
     return new
@@ -81,11 +101,12 @@ def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int) -> lis
 class SlotTable:
     """Positions, visibility and segment labels of the cached slots; [B, C] buffers, first `n` valid."""
 
-    def __init__(self) -> None:
+    def __init__(self, fixed: int | None = None) -> None:
         self._pos: torch.Tensor | None = None
         self._vis: torch.Tensor | None = None
         self._seg: torch.Tensor | None = None
         self.n = 0
+        self.fixed = fixed          # a fixed capacity (never grows nor shrinks), or None
 
     @property
     def batch_size(self) -> int:
@@ -112,16 +133,16 @@ class SlotTable:
     def reserve(self, B: int, need: int, device: torch.device) -> None:
         """Make room for `need` slots (all-or-nothing)."""
         if self._pos is None:
-            cap = _grown(0, need)
+            cap = _sized(self.fixed, 0, need, _grown)
             pos = _alloc((B, cap), torch.long, device, 0)
             vis = _alloc((B, cap), torch.bool, device, True)
             seg = _alloc((B, cap), torch.int32, device, 0)
-            self._pos, self._vis, self._seg = pos, vis, seg
+            self._pos, self._vis, self._seg = (t if self.fixed else _dynamic_capacity(t, 1) for t in (pos, vis, seg))
             return
         if need <= self.capacity:
             return
-        self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1, _grown(self.capacity, need),
-                                                  self.n)
+        self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1,
+                                                  _sized(self.fixed, self.capacity, need, _grown), self.n)
 
     def append(self, pos: torch.Tensor, visible: torch.Tensor | None = None, segment: int | torch.Tensor = 0) -> None:
         """Append S slots; pos [B, S] int64 (already validated)."""
@@ -150,15 +171,16 @@ class SlotTable:
         self._pos, self._vis, self._seg = (b[rows.to(b.device)] for b in (self._pos, self._vis, self._seg))
 
     def shrink_(self, cap: int) -> None:
-        if self._pos is not None and cap < self.capacity:
+        if self._pos is not None and cap < self.capacity and self.fixed is None:
             self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1, cap, self.n)
 
     def copy(self, headroom: int = 0) -> "SlotTable":
-        """A copy holding the valid slots (plus `headroom` free ones), not the whole capacity."""
-        t = SlotTable()
+        """A copy holding the valid slots (plus `headroom` free ones), not the whole capacity (a fixed-capacity
+        table copies into its fixed capacity)."""
+        t = SlotTable(self.fixed)
         if self._pos is not None:
-            cap = self.n + headroom
-            t._pos, t._vis, t._seg = _regrow([self._pos, self._vis, self._seg], 1, max(cap, 1), self.n)
+            cap = self.fixed or max(self.n + headroom, 1)
+            t._pos, t._vis, t._seg = _regrow([self._pos, self._vis, self._seg], 1, cap, self.n, self.fixed is not None)
         t.n = self.n
         return t
 
@@ -179,10 +201,12 @@ class SlotLayer:
     storage="raw":     raw_k, v only; attention reads keys rotated on read (`PositionedKV.layer_keys`), a position
                        change touches only the slot table."""
 
-    def __init__(self, spec: RopeSpec, raw_dtype: torch.dtype | None = None, storage: str = "rotated") -> None:
+    def __init__(self, spec: RopeSpec, raw_dtype: torch.dtype | None = None, storage: str = "rotated",
+                 fixed: int | None = None) -> None:
         self.spec = spec
         self.raw_dtype = raw_dtype
         self.storage = storage
+        self.fixed = fixed          # a fixed capacity C (buffers allocated once, zero-filled, never regrown), or None
         self.raw_k: torch.Tensor | None = None
         self.rot_k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -232,16 +256,20 @@ class SlotLayer:
 
     # -- growth --------------------------------------------------------------------------------------------------
     def _cap(self, old: int, need: int) -> int:
-        return _grown(old, need) if self.storage == "rotated" else _grown_tight(old, need)
+        return _sized(self.fixed, old, need, _grown if self.storage == "rotated" else _grown_tight)
 
     def reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
         """Make room for `need` slots (copies only the valid prefix; all-or-nothing)."""
         if self.v is None:
             B, H, _, D = like_k.shape
             cap = self._cap(0, need)
-            raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device)
-            v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device)
-            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device) if self.storage == "rotated" else None
+            fill = 0 if self.fixed else None       # fixed: attention reads every slot (masked): never garbage
+            raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device,
+                         fill)
+            v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device, fill)
+            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device, fill) if self.storage == "rotated" else None
+            if not self.fixed:
+                rot, raw, v = (None if t is None else _dynamic_capacity(t, 2) for t in (rot, raw, v))
             self.rot_k, self.raw_k, self.v, self.key_dtype = rot, raw, v, like_k.dtype
             return
         if need <= self.capacity:
@@ -249,7 +277,7 @@ class SlotLayer:
         self.set_buffers(_regrow(self.buffers(), 2, self._cap(self.capacity, need), self.n))
 
     def shrink_(self, cap: int) -> None:
-        if self.v is not None and cap < self.capacity:
+        if self.v is not None and cap < self.capacity and self.fixed is None:
             self.set_buffers(_regrow(self.buffers(), 2, cap, self.n))
 
     def append(self, k_rot: torch.Tensor | None, v: torch.Tensor, k_raw: torch.Tensor) -> None:
@@ -341,15 +369,26 @@ class PositionedKV:
     """
 
     def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: object = None,
-                 storage: str = "rotated") -> None:
+                 storage: str = "rotated", capacity: int | None = None) -> None:
         """specs: one RopeSpec per layer; raw_dtype: dtype of the raw keys (default: the keys' own); origin: an opaque
         identity of the model that writes the slots (caches of different origins are never mixed; None = unknown);
         storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache) or "raw"
         (raw keys + values only, keys rotated on read into one scratch layer per forward: the size of a plain
-        cache; position operations touch only the slot table)."""
+        cache; position operations touch only the slot table). capacity: a fixed capacity in slots (buffers
+        allocated once at that size, zero-filled, never regrown; attention receives all `capacity` slots and the
+        mask hides the unused ones: static shapes for torch.compile(fullgraph=True), like transformers'
+        StaticCache); None (default) grows as needed."""
         if storage not in STORAGES:
             fail(f"{type(self).__name__} storage", " or ".join(repr(x) for x in STORAGES), repr(storage))
+        if capacity is not None:
+            capacity = check_int(f"{type(self).__name__} capacity", capacity)
+            if capacity < 1:
+                fail(f"{type(self).__name__} capacity", "None or an int >= 1 (slots)", capacity)
+            if storage != "rotated":
+                fail(f"{type(self).__name__} capacity", "None with storage='raw' (rotate-on-read has no "
+                     "fixed-capacity mode)", capacity, "use storage='rotated' for a fixed-capacity cache")
         self.storage = storage
+        self.capacity = capacity
         if isinstance(specs, RopeSpec) or not isinstance(specs, (list, tuple)) or not specs:
             fail(f"{type(self).__name__} specs", "a non-empty list with one RopeSpec per layer",
                  type(specs).__name__ if not isinstance(specs, (list, tuple)) else "an empty list", exc=TypeError
@@ -362,14 +401,14 @@ class PositionedKV:
         self.raw_dtype = raw_dtype
         self.origin = origin
         self.layers: list[SlotLayer] = [self._new_layer(i, s) for i, s in enumerate(specs)]
-        self.table = SlotTable()
+        self.table = SlotTable(capacity)
         self._forward: _Forward | None = None
         self._overwrite: _Overwrite | None = None
         self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
 
     def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
         """The storage object of layer `index` (engine adapters return their protocol subclass)."""
-        return SlotLayer(spec, self.raw_dtype, self.storage)
+        return SlotLayer(spec, self.raw_dtype, self.storage, self.capacity)
 
     @property
     def specs(self) -> list[RopeSpec]:
@@ -483,7 +522,8 @@ class PositionedKV:
             out[:, :, upto:] = fresh[1].to(out.dtype)
         else:
             out[:, :, fresh[0].to(out.device)] = fresh[1].to(out.dtype)
-        self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
+        if not torch.compiler.is_compiling():          # attention backends (which read it) run eagerly
+            self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
         return out
 
     def holds_keys(self, index: int, keys: torch.Tensor) -> bool:
@@ -565,12 +605,14 @@ class PositionedKV:
         layer.append(k_rot if layer.storage == "rotated" else None, v, raw)
         if layer.storage == "raw":
             keys = self._rotate_on_read(index, (fw.n0, k_rot))
+        elif self.capacity is not None:
+            keys = layer.rot_k                      # fixed capacity: every slot (static shape), the mask hides the rest
         else:
             keys = layer.rot_k[:, :, : layer.n]
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
             self._forward = None                    # committed (the scratch goes with it)
-        return keys, layer.values
+        return keys, (layer.v if self.capacity is not None else layer.values)
 
     def _check_forward_start(self, index: int, k_rot: torch.Tensor, pos: torch.Tensor) -> None:
         """Validate a new forward's first write: positions, shapes against what the cache already holds."""
@@ -587,7 +629,10 @@ class PositionedKV:
             fail(f"write layer {index}: keys", f"batch {self.table.batch_size}, {l.v.shape[1]} kv heads, "
                  f"{l.key_dtype} (what the cache holds)", f"{tuple(k_rot.shape)} {k_rot.dtype}",
                  "a cache serves one model and one batch; reset() it or build another")
-        self._check_new_positions(pos, f"write layer {index}: positions")
+        if not torch.compiler.is_compiling():
+            # reading position values would split a compiled forward; traced forwards take the positions the model
+            # rotated its keys with (PositionedCache refuses models whose RoPE has an exact-range limit there)
+            self._check_new_positions(pos, f"write layer {index}: positions")
 
     def _rollback_forward(self) -> None:
         fw = self._forward
@@ -868,7 +913,7 @@ class PositionedKV:
     # -- structure -------------------------------------------------------------------------------------------------
     def empty_like(self) -> "PositionedKV":
         """A new empty cache of the same type with the same RoPE specs (subclasses carry their own settings)."""
-        return type(self)(self.specs, self.raw_dtype, self.origin, storage=self.storage)
+        return type(self)(self.specs, self.raw_dtype, self.origin, storage=self.storage, capacity=self.capacity)
 
     def copy(self, headroom: int = 0) -> "PositionedKV":
         """Deep copy of the valid slots (plus `headroom` free slots of capacity), not the source's whole capacity."""
@@ -876,7 +921,8 @@ class PositionedKV:
         new = self.empty_like()
         for a, b in zip(self.layers, new.layers):
             if a.allocated:
-                b.set_buffers(_regrow(a.buffers(), 2, max(n + headroom, 1), n))
+                b.set_buffers(_regrow(a.buffers(), 2, self.capacity or max(n + headroom, 1), n,
+                                      self.capacity is not None))
                 b.key_dtype = a.key_dtype
             b.n = a.n
         new.table = self.table.copy(headroom)
@@ -975,7 +1021,7 @@ class PositionedKV:
         self._forward = None
         for l in self.layers:
             l.clear()
-        self.table = SlotTable()
+        self.table = SlotTable(self.capacity)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.layers)}, batch={self.table.batch_size}, "

@@ -41,6 +41,8 @@ _FORWARD: contextvars.ContextVar[_ForwardNote | None] = contextvars.ContextVar("
 
 
 def _record_forward(model_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():
+        return          # torch.compile cannot trace context variables; traced forwards are checked by shape instead
     pos = kwargs.get("position_ids")
     if pos is None and len(args) >= 2:
         pos = args[1]
@@ -68,13 +70,12 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     """One decoder layer of a PositionedCache: SlotLayer storage speaking the transformers CacheLayerMixin protocol."""
 
     is_sliding = False
-    is_compileable = False
     is_croppable = True
     supports_early_init = True
 
     def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
-                 storage: str = "rotated") -> None:
-        SlotLayer.__init__(self, spec, raw_dtype, storage)  # CacheLayerMixin.__init__ would overwrite keys/values
+                 storage: str = "rotated", fixed: int | None = None) -> None:
+        SlotLayer.__init__(self, spec, raw_dtype, storage, fixed)  # CacheLayerMixin.__init__ would overwrite keys/values
         self._owner_ref = weakref.ref(owner)       # no reference cycle: a dropped cache frees its buffers at once
         self.index = index
 
@@ -88,6 +89,11 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     @property
     def is_initialized(self) -> bool:  # type: ignore[override]
         return self.allocated
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        """True for a fixed-capacity cache (static shapes: transformers' generate may compile its decode steps)."""
+        return self.fixed is not None
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -124,13 +130,13 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         return self._owner.update(key_states, value_states, self.index, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n + query_length, 0
+        return (self.fixed if self.fixed is not None else self.n + query_length), 0
 
     def get_seq_length(self) -> int:
         return self.n
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.fixed is None else self.fixed
 
     def reset(self) -> None:
         self._owner.reset()
@@ -161,15 +167,26 @@ class PositionedCache(PositionedKV, Cache):
     Memory: storage="rotated" (default) keeps raw keys + rotated keys + values (1.5x a DynamicCache), buffers
     growing geometrically (no per-step cat); storage="raw" keeps raw keys + values (the size of a DynamicCache) and
     rotates keys on read, one layer at a time.
+
+    torch.compile: decoding compiles without graph breaks (the traced update reads no tensor value on the host).
+    `cache.reserve_(T + new_tokens)` before compiled decoding keeps DynamicCache's graph count (a growth inside a
+    compiled forward compiles one more graph, once). `capacity=C` makes a fixed-capacity cache like transformers'
+    StaticCache: buffers of C slots allocated once, every forward reads all C (the mask hides unused slots), so
+    shapes stay static and `torch.compile(..., fullgraph=True)` / `generate(compile_config=...)` apply; position
+    operations work between forwards as usual. Inside a compiled forward the cache cannot see which model runs
+    (torch.compile does not trace context variables): it checks shapes only, and refuses offloading, recompute
+    forwards, models that do not pass position_ids to it (GPT-NeoX) and RoPE types with an exact-range limit.
     """
 
     def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: Any = None,
-                 model_id: str | None = None, offloading: bool = False, storage: str = "rotated") -> None:
+                 model_id: str | None = None, offloading: bool = False, storage: str = "rotated",
+                 capacity: int | None = None) -> None:
         """Prefer `from_model(model)`: it reads the specs and binds the cache to that model (origin).
 
         offloading: keep every layer but the one computing on CPU (transformers' offloading=True; on a CPU-only
-        machine it moves nothing). Position operations bring every layer back first. storage: see the class."""
-        PositionedKV.__init__(self, specs, raw_dtype, origin, storage)
+        machine it moves nothing). Position operations bring every layer back first. storage, capacity: see the
+        class."""
+        PositionedKV.__init__(self, specs, raw_dtype, origin, storage, capacity)
         Cache.__init__(self, layers=self.layers)
         if not isinstance(offloading, bool):
             fail("PositionedCache offloading", "a bool", type(offloading).__name__, exc=TypeError)
@@ -178,10 +195,11 @@ class PositionedCache(PositionedKV, Cache):
         self._limited = any(s.max_exact_position is not None for s in self.specs)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> PositionedLayer:
-        return PositionedLayer(self, index, spec, self.raw_dtype, self.storage)
+        return PositionedLayer(self, index, spec, self.raw_dtype, self.storage, self.capacity)
 
     def empty_like(self) -> "PositionedCache":
-        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage)
+        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage,
+                          self.capacity)
 
     def __iter__(self):
         """Per layer (rotated keys [B, H, T, D], values, None): what DynamicCache yields, so that
@@ -203,12 +221,14 @@ class PositionedCache(PositionedKV, Cache):
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, raw_dtype: torch.dtype | None = None,
-                   angle_dtype: torch.dtype = torch.float32, storage: str = "rotated") -> "PositionedCache":
-        """Build an empty cache for `model` (one RopeSpec per layer; refuses models it cannot serve exactly)."""
+                   angle_dtype: torch.dtype = torch.float32, storage: str = "rotated", capacity: int | None = None
+                   ) -> "PositionedCache":
+        """Build an empty cache for `model` (one RopeSpec per layer; refuses models it cannot serve exactly).
+        capacity: a fixed capacity in slots (see the class), for compiled decoding with static shapes."""
         specs = rope_specs_from_model(model, angle_dtype=angle_dtype)
         origin = _install_forward_hook(model)
         return cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
-                   storage=storage)
+                   storage=storage, capacity=capacity)
 
     @classmethod
     def from_dynamic(cls, model: torch.nn.Module, cache: Cache, positions: Any = None,
@@ -235,6 +255,8 @@ class PositionedCache(PositionedKV, Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new slots of layer `layer_idx`: k [B, H, S, D] already rotated by the model; returns all
         (rotated keys, values) of the layer."""
+        if torch.compiler.is_compiling():
+            return self._update_traced(key_states, value_states, layer_idx, kwargs)
         if self.offloading:
             self.layers[layer_idx].prefetch()
         fw = self._forward
@@ -247,6 +269,35 @@ class PositionedCache(PositionedKV, Cache):
         if self.offloading and layer_idx > 0:
             self.layers[layer_idx - 1].offload()          # attention of layer_idx - 1 is done: its KV can leave
         return out
+
+    def _update_traced(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` inside torch.compile: only Python the compiler traces without a graph break (no context
+        variable, no tensor value read on the host). What the eager path checks from data it checks from shapes;
+        what it cannot check it refuses at trace time (an error, never a silent difference)."""
+        fw = self._forward
+        if fw is not None and layer_idx not in fw.done and self._overwrite is None and fw.S == key_states.shape[2]:
+            pos = fw.pos
+        else:
+            if self.offloading:
+                fail("PositionedCache(offloading=True) under torch.compile", "an eager forward (layers move "
+                     "between devices between calls)", "a compiled forward", "build the cache with offloading=False")
+            if self._overwrite is not None:
+                fail("cache.overwriting(...) under torch.compile", "an eager recompute forward", "a compiled one",
+                     "run partial recomputation (edits, repairs) without torch.compile")
+            if self._limited:
+                fail("PositionedCache under torch.compile", "a model whose RoPE has no exact-range limit (the "
+                     "compiled path cannot read positions to check it)", "a dynamic / longrope RoPE", "run it eagerly")
+            inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
+            pos = inner.get("position_ids") if isinstance(inner, dict) else None
+            if pos is None:
+                fail(f"cache.update layer {layer_idx} under torch.compile: position_ids", "the positions passed by "
+                     "the model to the cache", None, "this architecture does not pass them (GPT-NeoX); run it eagerly")
+            B, S = key_states.shape[0], key_states.shape[2]
+            if pos.dim() != 2 or pos.shape[-1] != S or pos.shape[0] not in (1, B):
+                fail(f"cache.update layer {layer_idx}: position_ids", f"[B|1, S] = [{B}|1, {S}]", tuple(pos.shape))
+            pos = pos.to(device=key_states.device, dtype=torch.long).expand(B, S)
+        return self.write_rotated_(layer_idx, key_states, value_states, pos)
 
     def _forward_note(self, index: int) -> _ForwardNote | None:
         """The running forward's note (consumed); refuses a forward of another model than this cache's."""
