@@ -6,6 +6,14 @@ Each context is prefilled once (DynamicCache); the PositionedCache is built from
 `--steps` greedy tokens from identical copies, alternating A/B/A/B for `--reps` rounds; the median per-token time
 gives tokens/s. Correctness is asserted once per context before timing (identical greedy tokens).
 Look at: ratio = PositionedCache tokens/s / DynamicCache tokens/s (target >= 1.0 at 2048 and above).
+
+    python bench/bench_decode.py --compile --json results/bench_decode_compile.json
+
+--compile: every cache decodes through torch.compile(model.forward) (inductor, default mode): DynamicCache,
+StaticCache, PositionedCache (reserved for the decoded tokens, so no buffer grows) and the fixed-capacity
+PositionedCache (capacity = context + steps, like the StaticCache). Each cache type gets its own compiled entry
+(its own dynamo cache, so no type evicts another's graphs); two warm-up steps per copy absorb compilation. Ratios:
+PositionedCache / DynamicCache and fixed-capacity PositionedCache / StaticCache (target >= 0.95 each).
 """
 from __future__ import annotations
 
@@ -16,23 +24,102 @@ import time
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from _common import machine, markdown_table, plot, write_outputs
 from kvpos.integrations.hf import PositionedCache, load_model
 
 
 @torch.no_grad()
-def decode(model, cache, first, steps):
-    """Greedy decode `steps` tokens with a plain forward loop; returns (tokens, per-token seconds)."""
+def decode(model, cache, first, steps, fwd=None):
+    """Greedy decode `steps` tokens with a plain forward loop (through `fwd`, default the model); returns (tokens,
+    per-token seconds)."""
+    fwd = model if fwd is None else fwd
     nxt, toks, ts = first, [], []
     for _ in range(steps):
         t = time.perf_counter()
-        logits = model(nxt, cache=cache, use_cache=True).logits
+        logits = fwd(input_ids=nxt, cache=cache, use_cache=True).logits
         nxt = logits[:, -1:].argmax(-1)
         ts.append(time.perf_counter() - t)
         toks.append(int(nxt))
     return toks, ts
+
+
+def compiled_entry(model, name):
+    """torch.compile of a fresh entry function calling model.forward: its own code object, hence its own dynamo
+    cache (one per cache type, so that types never evict each other's graphs or share a recompile limit)."""
+    def entry(**kw):
+        return model.forward(**kw)
+
+    entry.__code__ = entry.__code__.replace(co_name=f"decode_{name}")
+    return torch.compile(entry)
+
+
+def static_from(model, dyn, cap):
+    """A StaticCache of `cap` slots holding the DynamicCache's keys and values."""
+    st = StaticCache(config=model.config, max_cache_len=cap)
+    with torch.no_grad():
+        for i, (sl, dl) in enumerate(zip(st.layers, dyn.layers)):
+            sl.lazy_initialization(dl.keys, dl.values)
+            sl.update(dl.keys, dl.values)
+    return st
+
+
+def run_compiled(a, model, ctx, ids, rows):
+    """One context, four caches through torch.compile, alternating A/B/C/D for `reps` rounds."""
+    dyn = DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = model(ids, cache=dyn, use_cache=True).logits[:, -1:].argmax(-1)
+    pos = PositionedCache.from_dynamic(model, dyn)
+    cap = ctx + a.steps + 8
+    fixed = PositionedCache.from_rotated(pos.specs, [(l.keys, l.values) for l in dyn.layers], capacity=cap,
+                                         origin=pos.origin, model_id=pos.model_id)
+    sources = {"DynamicCache": lambda: copy.deepcopy(dyn), "StaticCache": lambda: static_from(model, dyn, cap),
+               "PositionedCache": lambda: pos.copy(headroom=a.steps + 8),
+               "PositionedCache fixed": lambda: fixed.copy()}
+    fwds = a.compiled
+    ref = None
+    for name, make in sources.items():
+        toks, _ = decode(model, make(), first, 4, fwds[name])
+        ref = toks if ref is None else ref
+        assert toks == ref, f"context {ctx}: {name} tokens {toks} != DynamicCache tokens {ref}"
+    times = {name: [] for name in sources}
+    for _ in tqdm(range(a.reps), desc=f"context {ctx} rounds", leave=False):
+        for name, make in sources.items():
+            _, ts = decode(model, make(), first, a.steps + 2, fwds[name])
+            times[name].extend(ts[2:])
+    base = {}
+    for name, ts in times.items():
+        tps = 1.0 / statistics.median(ts)
+        ref_name = "DynamicCache" if name in ("DynamicCache", "PositionedCache") else "StaticCache"
+        base.setdefault(name, tps)
+        rows.append({"context": ctx, "cache": name, "compiled": True, "tokens_per_s": tps,
+                     "ms_per_token": 1e3 * statistics.median(ts), "ratio_vs": ref_name})
+    for r in rows[-4:]:
+        r["ratio"] = r["tokens_per_s"] / base[r["ratio_vs"]]
+
+
+def main_compiled(a, model) -> None:
+    torch._dynamo.config.recompile_limit = 16     # StaticCache specialises on each capacity (one per context)
+    a.compiled = {name: compiled_entry(model, name.replace(" ", "_"))
+                  for name in ("DynamicCache", "StaticCache", "PositionedCache", "PositionedCache fixed")}
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    t0 = time.perf_counter()
+    for ctx in tqdm(a.contexts, desc="contexts"):
+        ids = torch.randint(100, model.config.vocab_size - 100, (1, ctx), generator=g)
+        run_compiled(a, model, ctx, ids, rows)
+    table = markdown_table(rows, ["context", "cache", "tokens_per_s", "ms_per_token", "ratio_vs", "ratio"],
+                           {"tokens_per_s": ".2f", "ms_per_token": ".1f", "ratio": ".3f"})
+    payload = {"model": getattr(model, "name_or_path", "?"), "steps": a.steps, "reps": a.reps, "compiled": True,
+               "torch": torch.__version__, "wall_s": time.perf_counter() - t0, "machine": machine(), "rows": rows}
+    write_outputs(a.json, payload, table)
+    png = a.plot or (a.json and a.json.rsplit(".", 1)[0] + ".png")
+    names = ("DynamicCache", "StaticCache", "PositionedCache", "PositionedCache fixed")
+    series = {n: ([r["context"] for r in rows if r["cache"] == n], [r["tokens_per_s"] for r in rows if r["cache"] == n])
+              for n in names}
+    plot(png, series, "context tokens", "compiled decode tokens/s", "Compiled decode (torch.compile, inductor), "
+         "SmolLM2-135M fp32, CPU", logx=True)
 
 
 def main() -> None:
@@ -44,9 +131,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
+    ap.add_argument("--compile", action="store_true", help="decode through torch.compile (four caches, see above)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, _ = load_model(a.model)
+    if a.compile:
+        return main_compiled(a, model)
     g = torch.Generator().manual_seed(0)
     rows = []
     for ctx in tqdm(a.contexts, desc="contexts"):

@@ -101,12 +101,14 @@ def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int, fixed:
 class SlotTable:
     """Positions, visibility and segment labels of the cached slots; [B, C] buffers, first `n` valid."""
 
-    def __init__(self, fixed: int | None = None) -> None:
+    def __init__(self, fixed: int | None = None, grow: Callable[[int, int], int] | None = None) -> None:
         self._pos: torch.Tensor | None = None
         self._vis: torch.Tensor | None = None
         self._seg: torch.Tensor | None = None
         self.n = 0
         self.fixed = fixed          # a fixed capacity (never grows nor shrinks), or None
+        # the layers' growth rule: table and layers then regrow in the same forward (one growth branch to compile)
+        self.grow = _grown if grow is None else grow
 
     @property
     def batch_size(self) -> int:
@@ -133,7 +135,7 @@ class SlotTable:
     def reserve(self, B: int, need: int, device: torch.device) -> None:
         """Make room for `need` slots (all-or-nothing)."""
         if self._pos is None:
-            cap = _sized(self.fixed, 0, need, _grown)
+            cap = _sized(self.fixed, 0, need, self.grow)
             pos = _alloc((B, cap), torch.long, device, 0)
             vis = _alloc((B, cap), torch.bool, device, True)
             seg = _alloc((B, cap), torch.int32, device, 0)
@@ -142,7 +144,7 @@ class SlotTable:
         if need <= self.capacity:
             return
         self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1,
-                                                  _sized(self.fixed, self.capacity, need, _grown), self.n)
+                                                  _sized(self.fixed, self.capacity, need, self.grow), self.n)
 
     def append(self, pos: torch.Tensor, visible: torch.Tensor | None = None, segment: int | torch.Tensor = 0) -> None:
         """Append S slots; pos [B, S] int64 (already validated)."""
@@ -177,7 +179,7 @@ class SlotTable:
     def copy(self, headroom: int = 0) -> "SlotTable":
         """A copy holding the valid slots (plus `headroom` free ones), not the whole capacity (a fixed-capacity
         table copies into its fixed capacity)."""
-        t = SlotTable(self.fixed)
+        t = SlotTable(self.fixed, self.grow)
         if self._pos is not None:
             cap = self.fixed or max(self.n + headroom, 1)
             t._pos, t._vis, t._seg = _regrow([self._pos, self._vis, self._seg], 1, cap, self.n, self.fixed is not None)
@@ -401,10 +403,13 @@ class PositionedKV:
         self.raw_dtype = raw_dtype
         self.origin = origin
         self.layers: list[SlotLayer] = [self._new_layer(i, s) for i, s in enumerate(specs)]
-        self.table = SlotTable(capacity)
+        self.table = self._new_table()
         self._forward: _Forward | None = None
         self._overwrite: _Overwrite | None = None
         self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
+
+    def _new_table(self) -> SlotTable:
+        return SlotTable(self.capacity, _grown if self.storage == "rotated" else _grown_tight)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
         """The storage object of layer `index` (engine adapters return their protocol subclass)."""
@@ -1021,7 +1026,7 @@ class PositionedKV:
         self._forward = None
         for l in self.layers:
             l.clear()
-        self.table = SlotTable(self.capacity)
+        self.table = self._new_table()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layers={len(self.layers)}, batch={self.table.batch_size}, "

@@ -307,7 +307,9 @@ class PositionedCache(PositionedKV, Cache):
         if self.origin is None or (note is None and self._overwrite is not None):
             return note                    # recompute forwards: the first layer consumed and checked the note
         if note is None or note.model() is not self.origin():
-            got = "a forward of a model without kvpos's hook" if note is None else "a forward of another model"
+            got = ("a forward of a model without kvpos's hook (or, under torch.compile, a model that does not pass "
+                   "position_ids to the cache, such as GPT-NeoX: run it eagerly)") if note is None else \
+                "a forward of another model"
             fail(f"cache.update layer {index}", f"a forward of the model this cache was built for "
                  f"({self.model_id or 'from_model'})", got,
                  "build one cache per model with PositionedCache.from_model(model); another model's keys (another "
