@@ -150,10 +150,16 @@ class SlotTable:
         """Append S slots; pos [B, S] int64 (already validated)."""
         B, S = pos.shape
         self.reserve(B, self.n + S, pos.device)
-        sl = slice(self.n, self.n + S)
-        self._pos[:, sl] = pos
-        self._vis[:, sl] = True if visible is None else visible
-        self._seg[:, sl] = segment
+        if torch.compiler.is_compiling() and visible is None and isinstance(segment, int):
+            idx = torch.arange(S, device=pos.device) + self.n
+            self._pos.index_copy_(1, idx, pos)
+            self._vis.index_fill_(1, idx, True)
+            self._seg.index_fill_(1, idx, segment)
+        else:
+            sl = slice(self.n, self.n + S)
+            self._pos[:, sl] = pos
+            self._vis[:, sl] = True if visible is None else visible
+            self._seg[:, sl] = segment
         self.n += S
 
     def truncate(self, n: int) -> None:
@@ -286,11 +292,20 @@ class SlotLayer:
         """Write S new slots after the valid ones. k_rot/k_raw/v: [B, H, S, D] (k_rot unused with storage="raw")."""
         S = k_raw.shape[2]
         self.reserve(k_raw if k_rot is None else k_rot, v, self.n + S)
-        sl = slice(self.n, self.n + S)
-        if self.storage == "rotated":
-            self.rot_k[:, :, sl] = k_rot
-        self.raw_k[:, :, sl] = k_raw
-        self.v[:, :, sl] = v
+        if torch.compiler.is_compiling():
+            # an index write the compiler keeps in place (a slice assignment at a symbolic offset into a graph input
+            # can be functionalised into a copy of the whole buffer)
+            idx = torch.arange(S, device=v.device) + self.n
+            if self.storage == "rotated":
+                self.rot_k.index_copy_(2, idx, k_rot)
+            self.raw_k.index_copy_(2, idx, k_raw.to(self.raw_k.dtype))
+            self.v.index_copy_(2, idx, v)
+        else:
+            sl = slice(self.n, self.n + S)
+            if self.storage == "rotated":
+                self.rot_k[:, :, sl] = k_rot
+            self.raw_k[:, :, sl] = k_raw
+            self.v[:, :, sl] = v
         self.n += S
 
     def select_(self, idx: torch.Tensor) -> None:

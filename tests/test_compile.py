@@ -236,3 +236,41 @@ def test_compiled_decode_on_the_real_model(default_model):
     fixed = PositionedCache.from_model(model, capacity=T + STEPS)
     toks, g_fx, b_fx, early = _compiled_decode(model, fixed, _prefill(model, fixed, ids), fullgraph=True)
     assert b_fx == 0 and g_fx == early and toks == ref
+
+
+def test_pytree_round_trip_and_torch_export_with_the_cache_as_input():
+    """register_pytree makes a PositionedCache a torch pytree node: flatten / unflatten keep every slot, and
+    torch.export takes the cache as an input; the exported program's logits and returned cache equal eager ones."""
+    import torch.utils._pytree as pytree
+
+    from kvpos.integrations.hf import register_pytree
+
+    register_pytree()
+    register_pytree()                                   # idempotent
+    model, _ = tiny_model("llama")
+    c = PositionedCache.from_model(model)
+    _prefill(model, c, _ids(model))
+    c.shift_(0, 5, 40)
+    c.hide_(6, 8)
+    leaves, spec = pytree.tree_flatten({"cache": c})
+    back = pytree.tree_unflatten(leaves, spec)["cache"]
+    assert back.num_slots == c.num_slots and torch.equal(back.positions, c.positions)
+    assert torch.equal(back.visible, c.visible) and torch.equal(back.layers[1].keys, c.layers[1].keys)
+    assert torch.equal(back.layers[1].raw_keys, c.layers[1].raw_keys)
+
+    nxt = torch.tensor([[7]])
+    mask = c.attention_mask(1)
+    ep = torch.export.export(model, (), {"input_ids": nxt, "cache": c.copy(), "attention_mask": mask,
+                                          "use_cache": True}, strict=False)
+    eager = c.copy()
+    with torch.no_grad():
+        ref = model(input_ids=nxt, cache=eager, attention_mask=mask, use_cache=True)
+        got = ep.module()(input_ids=nxt, cache=c.copy(), attention_mask=mask, use_cache=True)
+    assert (got.logits - ref.logits).abs().max().item() < 1e-5
+    out = got.cache
+    assert isinstance(out, PositionedCache) and out.num_slots == eager.num_slots == c.num_slots + 1
+    assert torch.equal(out.positions, eager.positions) and torch.equal(out.visible, eager.visible)
+    assert torch.allclose(out.layers[0].keys, eager.layers[0].keys, atol=1e-6)
+    out.shift_(0, 3, 7)                                 # the returned cache is a working cache
+    with pytest.raises(ValueError, match="capacity"):
+        pytree.tree_flatten(PositionedCache.from_model(model, capacity=32))

@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 from .attention import NAME, AttentionBackend, AttentionCall, Binding, bind_attention, current_binding
-from .cache import PositionedCache, PositionedLayer
+from .cache import PositionedCache, PositionedLayer, register_pytree
 from .models import DEFAULT_MODEL_NAME, default_model_path, gemma3_path, load_default_model, load_model
 from .run import additive_mask, extend, forward_reference, generate
 
 __all__ = [
-    "PositionedCache", "PositionedLayer", "extend", "generate", "forward_reference", "additive_mask",
+    "PositionedCache", "PositionedLayer", "register_pytree", "extend", "generate", "forward_reference", "additive_mask",
     "bind_attention", "current_binding", "AttentionBackend", "AttentionCall", "Binding", "NAME",
     "load_model", "load_default_model", "default_model_path", "gemma3_path", "DEFAULT_MODEL_NAME",
 ]
