@@ -13,8 +13,9 @@ keys, values and positions between forwards (capacity, growth slack included); f
 forward allocates on top while it runs (raw: one layer's rotated keys plus cos/sin). shift_ms = `shift_` of the
 first half of the slots (rotated: re-rotates every moved key; raw: writes the slot table only).
 
-Store rows: bytes per token of one 512-token chunk in the kvpos store format (scheme float and int8), and
-`ChunkStore.get` time (verified read, int8 dequantized) from a DiskBackend and from a local redis-server.
+Store rows: bytes per token of one 512-token chunk in the kvpos store format (every scheme: float, int8, int4),
+and `ChunkStore.get` time (verified read, dequantized) from a DiskBackend and from a local redis-server
+(`--store-only` for these rows alone).
 
 Look at: ratio_vs_dynamic of raw (target <= 1.02) and decode_ratio_vs_dynamic (target >= 0.95 at 2k and 8k).
 """
@@ -184,26 +185,31 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-store", action="store_true", help="skip the store rows (they start a redis-server)")
+    ap.add_argument("--store-only", action="store_true", help="only the store rows (every scheme, disk and Redis)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if any(c < 16 for c in a.contexts) or a.steps < 2 or a.reps < 1:
         raise SystemExit(f"expected contexts >= 16, steps >= 2, reps >= 1; got {a.contexts}, {a.steps}, {a.reps}")
     torch.set_num_threads(a.threads)
     model, _ = load_model(a.model)
-    rows = [r for d in a.dtypes for r in memory_rows(model, d, a.contexts, a.steps, a.reps)]
+    if a.store_only and a.no_store:
+        raise SystemExit("expected at most one of --store-only and --no-store")
+    rows = [] if a.store_only else [r for d in a.dtypes for r in memory_rows(model, d, a.contexts, a.steps, a.reps)]
     store = [] if a.no_store else store_rows(model, reps=7)
     cols = ["context", "mode", "dtype", "cache_bytes", "ratio_vs_dynamic", "forward_scratch_bytes",
             "decode_tokens_per_s", "decode_ratio_vs_dynamic", "shift_ms"]
     table = markdown_table(rows, cols, {"ratio_vs_dynamic": ".3f", "decode_tokens_per_s": ".2f",
-                                        "decode_ratio_vs_dynamic": ".3f", "shift_ms": ".2f"})
+                                        "decode_ratio_vs_dynamic": ".3f", "shift_ms": ".2f"}) if rows else ""
     if store:
-        table += "\n\n" + markdown_table(store, ["dtype", "scheme", "backend", "chunk_tokens", "bytes_per_token",
+        table += ("\n\n" if table else "") + markdown_table(store, ["dtype", "scheme", "backend", "chunk_tokens", "bytes_per_token",
                                                  "bytes_vs_fp32_float", "fetch_ms", "fetch_ms_per_1k_tokens"],
                                          {"bytes_per_token": ".0f", "bytes_vs_fp32_float": ".3f", "fetch_ms": ".2f",
                                           "fetch_ms_per_1k_tokens": ".2f"})
     payload = {"model": getattr(model, "name_or_path", "?"), "steps": a.steps, "reps": a.reps, "machine": machine(),
                "rows": rows, "store": store}
     write_outputs(a.json, payload, table)
+    if not rows:
+        return
     png = a.json and a.json.rsplit(".", 1)[0] + ".png"
     series = {f"{m} {d} (x: context, y: decode ratio)": ([r["context"] for r in rows if r["mode"] == m and r["dtype"] == d],
                                                           [r["decode_ratio_vs_dynamic"] for r in rows

@@ -41,35 +41,48 @@ from kvpos.integrations.hf import load_model
 from kvpos.integrations.rag import ChatPromptBuilder, RagMethod, RagPipeline
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.rope import rotate, unrotate
-from kvpos.store import ChunkKV, DiskBackend, MemoryBackend, dequantize_int8, quantize_int8
+from kvpos.store import (ChunkKV, DiskBackend, MemoryBackend, dequantize_int4, dequantize_int8, quantize_int4,
+                         quantize_int8)
 
 
-class PostRopeInt8Backend(MemoryBackend):
-    """Comparison only: what storing keys int8 AFTER RoPE would give at equal bytes. Each chunk's raw keys are rotated
-    to the positions they were encoded at, quantized with the same int8 scheme (per channel over the chunk's tokens;
-    values per token), dequantized and un-rotated before they are kept; reads then serve them like any entry."""
+def _quantized_round_trip(keys: torch.Tensor, values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [L, H, S, D] through the store's int8 / int4 scheme and back (float32)."""
+    if bits == 8:
+        q = quantize_int8(keys, values)
+        return (dequantize_int8(q["keys"], q["keys_scale"], torch.float32),
+                dequantize_int8(q["values"], q["values_scale"], torch.float32))
+    q = quantize_int4(keys, values)
+    return (dequantize_int4(q["keys"], q["keys_scale"], q["keys_min"], 2, torch.float32),
+            dequantize_int4(q["values"], q["values_scale"], q["values_min"], 3, torch.float32))
 
-    def __init__(self, model) -> None:
+
+class PostRopeBackend(MemoryBackend):
+    """Comparison only: what storing keys int8 / int4 AFTER RoPE would give at equal bytes. Each chunk's raw keys are
+    rotated to the positions they were encoded at, quantized with the same scheme (keys per channel, values per
+    token), dequantized and un-rotated before they are kept; reads then serve them like any entry."""
+
+    def __init__(self, model, bits: int) -> None:
         super().__init__()
         self.specs = rope_specs_from_config(model.config)
+        self.bits = bits
 
     def put(self, key: str, chunk: ChunkKV) -> bool:
         pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens)
         rot = torch.stack([rotate(chunk.raw_keys[i, None].float(), pos, s)[0] for i, s in enumerate(self.specs)])
-        q = quantize_int8(rot, chunk.values)
-        deq = dequantize_int8(q["keys"], q["keys_scale"], torch.float32)
+        deq, vals = _quantized_round_trip(rot, chunk.values, self.bits)
         raw = torch.stack([unrotate(deq[i, None], pos, s)[0] for i, s in enumerate(self.specs)])
-        return super().put(key, ChunkKV(chunk.ids, raw.to(chunk.raw_keys.dtype),
-                                        dequantize_int8(q["values"], q["values_scale"], chunk.values.dtype),
+        return super().put(key, ChunkKV(chunk.ids, raw.to(chunk.raw_keys.dtype), vals.to(chunk.values.dtype),
                                         chunk.start, chunk.fingerprint, chunk.meta))
 
 
 def store_backend(scheme: str, model, tmp: str):
-    """The chunk store's backend for --store-scheme: None (memory, float), a DiskBackend writing int8 entries, or the
-    post-RoPE int8 comparison."""
+    """The chunk store's backend for --store-scheme: None (memory, float), a DiskBackend writing int8 / int4
+    entries, or the post-RoPE comparison at the same bit width."""
     if scheme == "float":
         return None
-    return DiskBackend(tmp, scheme="int8") if scheme == "int8" else PostRopeInt8Backend(model)
+    if scheme in ("int8", "int4"):
+        return DiskBackend(tmp, scheme=scheme)
+    return PostRopeBackend(model, 8 if scheme.startswith("int8") else 4)
 
 
 def _norm(s: str) -> str:
@@ -188,10 +201,12 @@ def main() -> None:
     ap.add_argument("--single-message", action="store_true",
                     help="all passages in one user message (default: one user message per passage, which keeps "
                          "independently encoded chunks much closer to full prefill; see ChatPromptBuilder)")
-    ap.add_argument("--store-scheme", choices=["float", "int8", "int8-post-rope"], default="float",
-                    help="chunk store entries: float (memory, default), int8 (pre-RoPE keys per channel, values per "
-                         "token, in a temporary disk store), int8-post-rope (the same int8 applied after RoPE, for "
-                         "comparison); with a quantized scheme every item's passages are stored before its methods run")
+    ap.add_argument("--store-scheme", choices=["float", "int8", "int8-post-rope", "int4", "int4-post-rope"],
+                    default="float",
+                    help="chunk store entries: float (memory, default), int8 / int4 (pre-RoPE keys per channel, "
+                         "values per token, in a temporary disk store), int8-post-rope / int4-post-rope (the same "
+                         "quantization applied after RoPE, for comparison); with a quantized scheme every item's "
+                         "passages are stored before its methods run")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)

@@ -105,10 +105,38 @@ class SlotTable:
         self._pos: torch.Tensor | None = None
         self._vis: torch.Tensor | None = None
         self._seg: torch.Tensor | None = None
-        self.n = 0
         self.fixed = fixed          # a fixed capacity (never grows nor shrinks), or None
+        # fixed capacity: the slot count also as a 0-d int64 tensor, the one compiled forwards advance (a Python int
+        # would specialise or recompile every step); eager code reads `n`, re-synced from it (PositionedKV._sync_count)
+        self.count = torch.zeros((), dtype=torch.long) if fixed is not None else None
+        self.n = 0
         # the layers' growth rule: table and layers then regrow in the same forward (one growth branch to compile)
         self.grow = _grown if grow is None else grow
+
+    @property
+    def n(self) -> int:
+        """The number of valid slots."""
+        return self._n
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._n = value
+        if self.count is not None and not torch.compiler.is_compiling():
+            self.count.fill_(value)
+
+    def append_counted(self, pos: torch.Tensor) -> torch.Tensor:
+        """Fixed capacity, inside a compiled forward: write S slots at the tensor count and advance it (no Python
+        int is read or written). Returns the slot index [S] the layers write at. An index past the capacity makes the
+        index write raise (never a silent wrap)."""
+        B, S = pos.shape
+        if self._pos is None:
+            self.reserve(B, S, pos.device)
+        idx = torch.arange(S, device=pos.device) + self.count
+        self._pos.index_copy_(1, idx, pos)
+        self._vis.index_fill_(1, idx, True)
+        self._seg.index_fill_(1, idx, 0)
+        self.count.add_(S)
+        return idx
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +168,8 @@ class SlotTable:
             vis = _alloc((B, cap), torch.bool, device, True)
             seg = _alloc((B, cap), torch.int32, device, 0)
             self._pos, self._vis, self._seg = (t if self.fixed else _dynamic_capacity(t, 1) for t in (pos, vis, seg))
+            if self.count is not None and self.count.device != pos.device:
+                self.count = self.count.to(pos.device)
             return
         if need <= self.capacity:
             return
@@ -308,6 +338,15 @@ class SlotLayer:
             self.v[:, :, sl] = v
         self.n += S
 
+    def write_at(self, idx: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor) -> None:
+        """Fixed capacity, inside a compiled forward: write S slots at slot index idx [S] (the slot count is the
+        table's tensor; `n` is re-synced eagerly). k_rot/k_raw/v: [B, H, S, D]."""
+        if self.v is None:
+            self.reserve(k_rot, v, k_raw.shape[2])
+        self.rot_k.index_copy_(2, idx, k_rot)
+        self.raw_k.index_copy_(2, idx, k_raw.to(self.raw_k.dtype))
+        self.v.index_copy_(2, idx, v)
+
     def select_(self, idx: torch.Tensor) -> None:
         """Keep slots idx (1-D long) in that order, compacting them to the front."""
         for buf in self.buffers():
@@ -335,6 +374,7 @@ class _Forward:
     done: set = field(default_factory=set)
     unrot: dict = field(default_factory=dict)     # id(spec) -> (cos, -sin) [B, 1, S, R/2]
     read: "_ReadState | None" = None              # storage="raw": this forward's rotate-on-read state
+    at: "torch.Tensor | None" = None              # fixed capacity under compile: the slot index [S] of the new slots
 
 
 @dataclass
@@ -605,6 +645,8 @@ class PositionedKV:
         Inside `overwriting(slots)` the S tokens replace existing slots instead (positions must match)."""
         if self._overwrite is not None:
             return self._overwrite_layer(index, k_rot, v, pos)
+        if self.capacity is not None and torch.compiler.is_compiling():
+            return self._write_counted(index, k_rot, v, pos)
         layer, fw = self.layers[index], self._forward
         if fw is not None and index in fw.done:      # the previous forward never finished (it raised): undo it
             self._rollback_forward()
@@ -634,6 +676,44 @@ class PositionedKV:
             self._forward = None                    # committed (the scratch goes with it)
         return keys, (layer.v if self.capacity is not None else layer.values)
 
+    def _write_counted(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write_rotated_` of a fixed-capacity cache inside a compiled forward: slots are placed by the table's
+        tensor count, so the graph reads no Python slot count (static shapes and no guard on the count: one graph for
+        every decode step, as transformers' StaticCache). Checks are by shape; `n` is re-synced eagerly."""
+        layer, fw = self.layers[index], self._forward
+        S = k_rot.shape[2]
+        if fw is None:
+            if k_rot.dim() != 4 or k_rot.shape[-1] != layer.spec.head_dim or tuple(pos.shape) != (k_rot.shape[0], S):
+                fail(f"write layer {index}: keys / positions", f"[B, H, S, D={layer.spec.head_dim}] / [B, S]",
+                     f"{tuple(k_rot.shape)} / {tuple(pos.shape)}")
+            if self.table._pos is not None and k_rot.shape[0] != self.table.batch_size:
+                fail(f"write layer {index}: keys", f"batch {self.table.batch_size}", k_rot.shape[0])
+            fw = self._forward = _Forward(-1, S, pos)
+            fw.at = self.table.append_counted(pos)
+        cs = fw.unrot.get(id(layer.spec))
+        if cs is None:
+            cos, sin = cos_sin(fw.pos, layer.spec, device=k_rot.device)
+            cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
+        raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
+        layer.write_at(fw.at, k_rot, v, raw)
+        fw.done.add(index)
+        if len(fw.done) == len(self.layers):
+            self._forward = None
+        return layer.rot_k, layer.v
+
+    def _sync_count(self) -> None:
+        """Fixed capacity: take the slot count compiled forwards advanced (a tensor) into the Python counts."""
+        t = self.table
+        if t.count is None or t._pos is None or torch.compiler.is_compiling():
+            return
+        c = int(t.count)
+        if c != t.n:
+            t.n = c
+            for l in self.layers:
+                if l.allocated:
+                    l.n = c
+
     def _check_forward_start(self, index: int, k_rot: torch.Tensor, pos: torch.Tensor) -> None:
         """Validate a new forward's first write: positions, shapes against what the cache already holds."""
         if not isinstance(pos, torch.Tensor) or pos.dtype != torch.long or pos.dim() != 2 \
@@ -657,14 +737,19 @@ class PositionedKV:
     def _rollback_forward(self) -> None:
         fw = self._forward
         self._forward = None
+        if fw.n0 < 0:                                # a counted (compiled, fixed-capacity) forward: undo its count
+            self.table.count.fill_(self.table.n)
+            return
         for i in fw.done:
             self.layers[i].n = fw.n0
         self.table.truncate(fw.n0)
 
     def _settle(self) -> None:
-        """Undo a forward that raised part way (some layers written, not all); no-op otherwise."""
+        """Undo a forward that raised part way (some layers written, not all); take in what compiled forwards of a
+        fixed-capacity cache wrote (their slot count is a tensor); no-op otherwise."""
         if self._forward is not None:
             self._rollback_forward()
+        self._sync_count()
 
     @contextlib.contextmanager
     def appending(self) -> Iterator[None]:

@@ -53,7 +53,7 @@ __all__ = [
     "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "StoreServerError", "content_key",
     "model_fingerprint", "WeightsDigest", "serialize", "deserialize", "FORMAT_VERSION", "check_key",
     "check_namespace", "tensors_digest", "checkpoint_digest", "rope_digest", "config_digest", "SCHEMES",
-    "quantize_int8", "dequantize_int8",
+    "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "INT4_GROUP",
 ]
 
 FORMAT_VERSION = 2   # 2: the checksum covers metadata too (format 1 entries are refused as unverifiable)
@@ -63,10 +63,15 @@ _MAX_HEADER = 1 << 20
 # "int8": keys int8 per channel (one scale per layer, head and channel over the chunk's tokens, taken BEFORE RoPE
 # where a channel's outliers stay in that channel), values int8 per token (one scale per layer, head and token);
 # read back as the dtype they were computed in. 0.27x the bytes of a float32 entry (0.53x of bfloat16).
-SCHEMES = ("float", "int8")
+# "int4": 4-bit codes, asymmetric (a scale and a minimum per group), two per byte: keys per channel over groups of
+# INT4_GROUP tokens (before RoPE, as int8), values per token over groups of INT4_GROUP channels. 0.16x of float32.
+SCHEMES = ("float", "int8", "int4")
+INT4_GROUP = 64
 _FLOAT_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 _TENSORS = MappingProxyType({"float": frozenset({"ids", "keys", "values"}),
-                             "int8": frozenset({"ids", "keys", "values", "keys_scale", "values_scale"})})
+                             "int8": frozenset({"ids", "keys", "values", "keys_scale", "values_scale"}),
+                             "int4": frozenset({"ids", "keys", "values", "keys_scale", "values_scale", "keys_min",
+                                                "values_min"})})
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
@@ -360,17 +365,72 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale).to(dtype)
 
 
+def _groups(x: torch.Tensor, dim: int, g: int) -> torch.Tensor:
+    """x [L, H, S, D] float32 -> groups of `g` along `dim` (2: tokens, 3: channels), the last group padded with
+    copies of the last entry (padding never widens a group's range): dim 2: [L, H, S/g, g, D]; dim 3: [L, H, S, D/g, g]."""
+    n = x.shape[dim]
+    pad = (-n) % g
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.narrow(dim, n - 1, 1).expand(shape)], dim)
+    L, H = x.shape[:2]
+    if dim == 2:
+        return x.reshape(L, H, -1, g, x.shape[3])
+    return x.reshape(L, H, x.shape[2], -1, g)
+
+
+def quantize_int4(raw_keys: torch.Tensor, values: torch.Tensor, group: int = INT4_GROUP) -> dict[str, torch.Tensor]:
+    """raw_keys [L, H, S, D], values [L, H, S, Dv] (D, Dv even) -> 4-bit codes packed two per byte, uint8
+    [L, H, S, D/2]; keys per channel over groups of `group` tokens (keys_scale / keys_min [L, H, ceil(S/g), D]),
+    values per token over groups of `group` channels (values_scale / values_min [L, H, S, ceil(Dv/g)]). Asymmetric:
+    x ~ min + code * scale with code in 0..15, round to nearest; float32 scales and minimums."""
+    out = {}
+    for name, x, dim in (("keys", raw_keys, 2), ("values", values, 3)):
+        if x.shape[-1] % 2:
+            fail(f"quantize_int4 {name}", "an even last dimension (two codes per byte)", tuple(x.shape))
+        n = x.shape[dim]
+        xg = _groups(x.float(), dim, group)
+        red = dim + 1                                            # the within-group axis of either layout
+        lo, hi = xg.amin(dim=red, keepdim=True), xg.amax(dim=red, keepdim=True)
+        scale = (hi - lo) / 15.0
+        code = torch.where(scale > 0, (xg - lo) / torch.where(scale > 0, scale, 1.0), 0.0).round_().clamp_(0, 15)
+        L, H = x.shape[:2]
+        if dim == 2:
+            code = code.reshape(L, H, -1, x.shape[3])[:, :, :n]
+            out[f"{name}_scale"], out[f"{name}_min"] = scale[:, :, :, 0].contiguous(), lo[:, :, :, 0].contiguous()
+        else:
+            code = code.reshape(L, H, x.shape[2], -1)[..., :n]
+            out[f"{name}_scale"], out[f"{name}_min"] = scale[..., 0].contiguous(), lo[..., 0].contiguous()
+        c = code.to(torch.uint8)
+        out[name] = (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+    return out
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: int, dtype: torch.dtype,
+                    group: int = INT4_GROUP) -> torch.Tensor:
+    """Packed codes q uint8 [L, H, S, D/2] with per-group scale / min (see quantize_int4; dim 2 = keys' token
+    groups, 3 = values' channel groups) -> [L, H, S, D] of `dtype` (computed in float32, rounded once)."""
+    code = torch.stack([q & 15, q >> 4], -1).flatten(-2).float()      # [L, H, S, D]
+    n = code.shape[dim]
+    reps = torch.arange(n, device=q.device) // group
+    s, m = scale.index_select(dim, reps), lo.index_select(dim, reps)
+    return (m + code * s).to(dtype)
+
+
 def serialize(chunk: ChunkKV, scheme: str = "float") -> bytes:
     """One safetensors blob: tensors + metadata (format, start, fingerprint, meta, [scheme,] checksum). No pickle
-    anywhere. scheme: "float" (keys and values as they are) or "int8" (see SCHEMES)."""
+    anywhere. scheme: "float" (keys and values as they are), "int8" or "int4" (see SCHEMES)."""
     from safetensors.torch import save
 
     check_scheme(scheme, "serialize scheme")
     tensors = {"ids": chunk.ids.contiguous()}
     if scheme == "float":
         tensors.update(keys=chunk.raw_keys.contiguous(), values=chunk.values.contiguous())
-    else:
+    elif scheme == "int8":
         tensors.update(quantize_int8(chunk.raw_keys, chunk.values))
+    else:
+        tensors.update(quantize_int4(chunk.raw_keys, chunk.values))
     meta = {"format": str(FORMAT_VERSION), "start": str(int(chunk.start)), "fingerprint": chunk.fingerprint.to_json(),
             "meta": json.dumps(chunk.meta, sort_keys=True)}
     if scheme != "float":
@@ -412,9 +472,9 @@ def _scheme_of(meta: dict) -> tuple[str, torch.dtype | None]:
     """(scheme, dtype keys and values are read back as) of an entry's metadata; no scheme field = "float"."""
     if "scheme" not in meta:
         return "float", None
-    m = re.fullmatch(r"(int8)/(float32|bfloat16|float16)", meta["scheme"])
+    m = re.fullmatch(r"(int8|int4)/(float32|bfloat16|float16)", meta["scheme"])
     if m is None:
-        raise CorruptChunkError(f"entry: scheme: expected one of int8/<float32|bfloat16|float16>, got "
+        raise CorruptChunkError(f"entry: scheme: expected one of int8|int4/<float32|bfloat16|float16>, got "
                                 f"{meta['scheme'][:40]!r}")
     return m[1], _FLOAT_DTYPES[m[2]]
 
@@ -425,6 +485,8 @@ def _dequantized(tensors: dict[str, torch.Tensor], scheme: str, dtype: torch.dty
     k, v = tensors["keys"], tensors["values"]
     if scheme == "float":
         return k, v
+    if scheme == "int4":
+        return _dequantized_int4(tensors, dtype)
     ks, vs = tensors["keys_scale"], tensors["values_scale"]
     if k.dtype != torch.int8 or v.dtype != torch.int8 or ks.dtype != torch.float32 or vs.dtype != torch.float32:
         raise CorruptChunkError(f"entry: int8 scheme: expected int8 keys/values and float32 scales, got "
@@ -436,6 +498,26 @@ def _dequantized(tensors: dict[str, torch.Tensor], scheme: str, dtype: torch.dty
     if not (torch.isfinite(ks).all() and torch.isfinite(vs).all() and (ks >= 0).all() and (vs >= 0).all()):
         raise CorruptChunkError("entry: int8 scheme: scales must be finite and >= 0")
     return dequantize_int8(k, ks, dtype), dequantize_int8(v, vs, dtype)
+
+
+def _dequantized_int4(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw_keys, values) of a verified int4 entry, after checking dtypes, shapes and that scales are usable."""
+    k, v = tensors["keys"], tensors["values"]
+    side = [tensors[n] for n in ("keys_scale", "keys_min", "values_scale", "values_min")]
+    if k.dtype != torch.uint8 or v.dtype != torch.uint8 or any(t.dtype != torch.float32 for t in side):
+        raise CorruptChunkError(f"entry: int4 scheme: expected uint8 keys/values and float32 scales, got "
+                                f"{k.dtype}/{v.dtype}/{[str(t.dtype) for t in side]}")
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise CorruptChunkError(f"entry: int4 scheme: keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit")
+    L, H, S, D2 = k.shape
+    g = INT4_GROUP
+    want = [(L, H, -(-S // g), 2 * D2)] * 2 + [(L, H, S, -(-(2 * v.shape[3]) // g))] * 2
+    if [tuple(t.shape) for t in side] != want:
+        raise CorruptChunkError(f"entry: int4 scheme: scale shapes {[tuple(t.shape) for t in side]} do not fit "
+                                f"keys {tuple(k.shape)} / values {tuple(v.shape)}")
+    if not all(bool(torch.isfinite(t).all()) for t in side) or (side[0] < 0).any() or (side[2] < 0).any():
+        raise CorruptChunkError("entry: int4 scheme: scales must be finite and >= 0, minimums finite")
+    return (dequantize_int4(k, side[0], side[1], 2, dtype), dequantize_int4(v, side[2], side[3], 3, dtype))
 
 
 def deserialize(blob: bytes) -> ChunkKV:
@@ -584,7 +666,7 @@ class DiskBackend:
     validated and every path is checked to resolve inside the root (symbolic links included)."""
 
     def __init__(self, root: str | os.PathLike, scheme: str = "float") -> None:
-        """scheme: how new entries hold keys and values ("float" or "int8", see SCHEMES); entries of any scheme
+        """scheme: how new entries hold keys and values ("float", "int8" or "int4", see SCHEMES); entries of any scheme
         are read."""
         self.scheme = check_scheme(scheme, "DiskBackend scheme")
         self.root = os.path.realpath(os.fspath(root))
@@ -646,7 +728,7 @@ class RedisBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, prefix: str = "kvpos:",
                  timeout_s: float = 5.0, ttl_s: int | None = None, scheme: str = "float") -> None:
-        """scheme: how new entries hold keys and values ("float" or "int8", see SCHEMES); entries of any scheme
+        """scheme: how new entries hold keys and values ("float", "int8" or "int4", see SCHEMES); entries of any scheme
         are read."""
         self.scheme = check_scheme(scheme, "RedisBackend scheme")
         try:

@@ -298,7 +298,8 @@ def _resigned(blob: bytes, edit) -> bytes:
     lambda t, m: t.update(keys_scale=t["keys_scale"] * float("nan")),                     # NaN scale
     lambda t, m: t.update(keys=t["keys"].float()),                                        # not int8
     lambda t, m: t.pop("values_scale"),                                                   # missing tensor
-    lambda t, m: m.update(scheme="int4/float32"),                                         # unknown scheme
+    lambda t, m: m.update(scheme="int3/float32"),                                         # unknown scheme
+    lambda t, m: m.update(scheme="int4/float32"),                                         # int8 tensors as int4
     lambda t, m: m.pop("scheme"),                                                         # int8 tensors, no scheme
     lambda t, m: m.update(scheme="int8/float64"),                                         # dtype outside the list
 ])
@@ -309,7 +310,70 @@ def test_crafted_int8_entries_are_corrupt_not_served(edit):
 
 
 def test_scheme_argument_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"DiskBackend scheme: expected 'float' or 'int8', got 'int4'"):
-        DiskBackend(tmp_path / "x", scheme="int4")
+    with pytest.raises(ValueError, match=r"DiskBackend scheme: expected 'float' or 'int8' or 'int4', got 'int3'"):
+        DiskBackend(tmp_path / "x", scheme="int3")
     with pytest.raises(ValueError, match=r"serialize scheme"):
         serialize(_chunk(), "fp8")
+
+
+# -- int4 entries ------------------------------------------------------------------------------------------------------
+
+def _int4_ref(x: torch.Tensor, dim: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference of asymmetric 4-bit quantization in groups of `g` along `dim` (keys: tokens, 2; values:
+    channels, 3), written independently of kvpos.store: (dequantized, step of each element's group)."""
+    xd = x.double()
+    out, step = torch.empty_like(xd), torch.empty_like(xd)
+    for a in range(0, xd.shape[dim], g):
+        blk = xd.narrow(dim, a, min(g, xd.shape[dim] - a))       # one group: min / max over `dim` within it
+        lo, hi = blk.amin(dim=dim, keepdim=True), blk.amax(dim=dim, keepdim=True)
+        sc = (hi - lo) / 15
+        q = torch.where(sc > 0, ((blk - lo) / torch.where(sc > 0, sc, 1.0)).round().clamp(0, 15), 0.0)
+        out.narrow(dim, a, blk.shape[dim]).copy_(lo + q * sc)
+        step.narrow(dim, a, blk.shape[dim]).copy_(sc.expand_as(blk))
+    return out, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_entries_are_grouped_per_channel_keys_per_token_values_and_a_sixth_of_the_bytes(tmp_path, dtype):
+    from kvpos.store import INT4_GROUP
+
+    store = ChunkStore(DiskBackend(tmp_path / "q4", scheme="int4"), FP, namespace=f"q4-{dtype}")
+    g = torch.Generator().manual_seed(5)
+    S = 2 * INT4_GROUP + 9                                          # a partial last group
+    c = ChunkKV(torch.arange(S), torch.randn(2, 3, S, 8, generator=g).to(dtype),
+                torch.randn(2, 3, S, 8, generator=g).to(dtype), 4, FP)
+    c.raw_keys[:, :, :, 3] *= 40                                    # an outlier channel stays in its own groups
+    c.raw_keys[0, 1, :, 5] = 1.5                                    # a constant channel comes back exactly
+    store.put(c)
+    got = store.get(c.ids)
+    assert got.raw_keys.dtype == dtype and got.values.dtype == dtype and got.start == 4
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    for gotx, x, dim in ((got.raw_keys, c.raw_keys, 2), (got.values, c.values, 3)):
+        ref, step = _int4_ref(x, dim, INT4_GROUP)
+        err = (gotx.double() - ref).abs()
+        slack = tol * (ref.abs() + step) + 1e-5                     # rounding to dtype (of ref, or of ref +- step)
+        exact = err <= slack
+        tie = (err - step).abs() <= slack                           # one step off at a .5 tie (float32 vs float64)
+        assert (exact | tie).all() and exact.float().mean() > 0.99
+        assert (gotx.double() - x.double()).abs().le(step / 2 + tol * x.double().abs() + 1e-5).float().mean() > 0.99
+    assert torch.equal(got.raw_keys[0, 1, :, 5], torch.full((S,), 1.5, dtype=dtype))
+    big = ChunkKV(torch.arange(512), torch.randn(2, 3, 512, 64, generator=g), torch.randn(2, 3, 512, 64, generator=g),
+                  0, FP)
+    r4, r8 = len(serialize(big, "int4")) / len(serialize(big)), len(serialize(big, "int8")) / len(serialize(big))
+    assert r4 < 0.17 and r4 < 0.62 * r8, (r4, r8)
+    # a float store reads int4 entries, an int4 store reads float ones
+    ChunkStore(DiskBackend(tmp_path / "q4"), FP, namespace=f"q4-{dtype}").get(c.ids)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t, m: t.update(keys_scale=t["keys_scale"][:, :, :1].contiguous()),            # scale shape
+    lambda t, m: t.update(values_scale=-t["values_scale"]),                               # negative scale
+    lambda t, m: t.update(keys_min=t["keys_min"] * float("nan")),                         # NaN minimum
+    lambda t, m: t.update(values=t["values"].to(torch.int8)),                             # not uint8
+    lambda t, m: t.pop("keys_min"),                                                       # missing tensor
+    lambda t, m: t.update(values=t["values"][:, :, :3].contiguous()),                     # values shorter than keys
+])
+def test_crafted_int4_entries_are_corrupt_not_served(edit):
+    blob = _resigned(serialize(_chunk(S=80), "int4"), edit)
+    with pytest.raises(CorruptChunkError):
+        deserialize(blob)

@@ -98,6 +98,7 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
         """[B, H, T, D] keys at their current positions (storage="raw": rotated on read, see layer_keys)."""
+        self._owner._sync_count()
         if self.storage == "rotated":
             return SlotLayer.keys.fget(self)
         return self._owner.layer_keys(self.index)
@@ -109,6 +110,12 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         if home is not None:
             return home
         return self.v.device if self.allocated else torch.device("cpu")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        """[B, H, T, D] values."""
+        self._owner._sync_count()
+        return SlotLayer.values.fget(self)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.reserve(key_states, value_states, 0)
@@ -133,6 +140,7 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         return (self.fixed if self.fixed is not None else self.n + query_length), 0
 
     def get_seq_length(self) -> int:
+        self._owner._sync_count()
         return self.n
 
     def get_max_length(self) -> int:
@@ -338,7 +346,10 @@ class PositionedCache(PositionedKV, Cache):
         return pos.to(device=k.device, dtype=torch.long).expand(B, S)
 
     # -- transformers Cache protocol -----------------------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """T; inside a compiled forward of a fixed-capacity cache the slot count tensor (as StaticCache returns)."""
+        if self.capacity is not None and torch.compiler.is_compiling():
+            return self.table.count
         self._settle()
         return self.layers[layer_idx].n if layer_idx < len(self.layers) else 0
 

@@ -61,7 +61,7 @@ __all__ = ["KvposConnector", "KvposMetadata", "parse_segments", "open_store"]
 
 def open_store_backend(spec: str, scheme: str = "float") -> Any:
     """A ChunkStore backend from "redis://host:port/db[?prefix=p]" or "disk:///absolute/root"; scheme: how it
-    writes new entries ("float" or "int8", kvpos.store.SCHEMES)."""
+    writes new entries ("float", "int8" or "int4", kvpos.store.SCHEMES)."""
     m = re.fullmatch(r"redis://([^:/]+):(\d+)(?:/(\d+))?(?:\?prefix=([A-Za-z0-9._:-]*))?", spec or "")
     if m:
         return RedisBackend(m[1], int(m[2]), int(m[3] or 0), prefix=m[4] if m[4] is not None else "kvpos:",
@@ -131,7 +131,7 @@ class _Plan:
 
 class KvposConnector(KVConnectorBase_V1):
     """See the module docstring. extra config: store (required), namespace ("default"), save (True), memory_mb
-    (1024: a worker-memory tier in front of the store, 0 for none), scheme ("float"; "int8" writes int8 entries).
+    (1024: a worker-memory tier in front of the store, 0 for none), scheme ("float"; "int8" / "int4" write quantized entries).
     Per request: segments, save, memory (True: use the memory tier; False: read from the store itself)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
