@@ -42,7 +42,10 @@ def _compiled_decode(model, cache, first, steps=STEPS, fullgraph=False, between=
             toks.append(int(nxt))
             if i == 2:
                 early = cc.frame_count
-    return toks, cc.frame_count, sum(counters["graph_break"].values()), early
+    breaks = sum(counters["graph_break"].values())
+    if breaks:
+        print("graph breaks:", *list(counters["graph_break"])[:3], sep="\n")
+    return toks, cc.frame_count, breaks, early
 
 
 def _ids(model, n=PROMPT, seed=0):

@@ -100,7 +100,7 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         """[B, H, T, D] keys at their current positions (storage="raw": rotated on read, see layer_keys)."""
         self._owner._sync_count()
         if self.storage == "rotated":
-            return SlotLayer.keys.fget(self)
+            return None if self.rot_k is None else self.rot_k[:, :, : self.n]
         return self._owner.layer_keys(self.index)
 
     @property
@@ -115,7 +115,7 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
         """[B, H, T, D] values."""
         self._owner._sync_count()
-        return SlotLayer.values.fget(self)
+        return None if self.v is None else self.v[:, :, : self.n]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.reserve(key_states, value_states, 0)
