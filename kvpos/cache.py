@@ -338,13 +338,13 @@ class SlotLayer:
             self.v[:, :, sl] = v
         self.n += S
 
-    def write_at(self, idx: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor) -> None:
-        """Fixed capacity, inside a compiled forward: write S slots at slot index idx [S] (the slot count is the
-        table's tensor; `n` is re-synced eagerly). k_rot/k_raw/v: [B, H, S, D]."""
+    def write_at(self, idx: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        """Fixed capacity, inside a compiled forward: write S slots' rotated keys and values at slot index idx [S]
+        (what StaticCache writes; the raw keys are derived from them when the count is next synced eagerly).
+        k_rot/v: [B, H, S, D]."""
         if self.v is None:
-            self.reserve(k_rot, v, k_raw.shape[2])
+            self.reserve(k_rot, v, k_rot.shape[2])
         self.rot_k.index_copy_(2, idx, k_rot)
-        self.raw_k.index_copy_(2, idx, k_raw.to(self.raw_k.dtype))
         self.v.index_copy_(2, idx, v)
 
     def select_(self, idx: torch.Tensor) -> None:
@@ -680,7 +680,9 @@ class PositionedKV:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """`write_rotated_` of a fixed-capacity cache inside a compiled forward: slots are placed by the table's
         tensor count, so the graph reads no Python slot count (static shapes and no guard on the count: one graph for
-        every decode step, as transformers' StaticCache). Checks are by shape; `n` is re-synced eagerly."""
+        every decode step, as transformers' StaticCache), and only rotated keys and values are written (StaticCache's
+        work); the raw keys of these slots are un-rotated from them, and `n` re-synced, by the next eager access
+        (`_sync_count`). Checks are by shape."""
         layer, fw = self.layers[index], self._forward
         S = k_rot.shape[2]
         if fw is None:
@@ -691,28 +693,31 @@ class PositionedKV:
                 fail(f"write layer {index}: keys", f"batch {self.table.batch_size}", k_rot.shape[0])
             fw = self._forward = _Forward(-1, S, pos)
             fw.at = self.table.append_counted(pos)
-        cs = fw.unrot.get(id(layer.spec))
-        if cs is None:
-            cos, sin = cos_sin(fw.pos, layer.spec, device=k_rot.device)
-            cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
-        raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
-        layer.write_at(fw.at, k_rot, v, raw)
+        layer.write_at(fw.at, k_rot, v)
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
             self._forward = None
         return layer.rot_k, layer.v
 
     def _sync_count(self) -> None:
-        """Fixed capacity: take the slot count compiled forwards advanced (a tensor) into the Python counts."""
+        """Fixed capacity: take in the slots compiled forwards appended (their count is a tensor): un-rotate their
+        raw keys from the rotated keys they wrote (the write path's own un-rotation, deferred), then the counts."""
         t = self.table
         if t.count is None or t._pos is None or torch.compiler.is_compiling():
             return
-        c = int(t.count)
-        if c != t.n:
-            t.n = c
-            for l in self.layers:
-                if l.allocated:
-                    l.n = c
+        c, n = int(t.count), t.n
+        if c == n:
+            return
+        pos = t._pos[:, n:c]
+        for spec, idx in self._groups().values():
+            cos, sin = cos_sin(pos, spec, device=self.layers[idx[0]].rot_k.device)
+            for i in idx:
+                l = self.layers[i]
+                l.raw_k[:, :, n:c] = _apply(l.rot_k[:, :, n:c], cos[:, None], -sin[:, None], spec,
+                                            1.0 / spec.attention_scaling).to(l.raw_k.dtype)
+        t.n = c
+        for l in self.layers:
+            l.n = c
 
     def _check_forward_start(self, index: int, k_rot: torch.Tensor, pos: torch.Tensor) -> None:
         """Validate a new forward's first write: positions, shapes against what the cache already holds."""

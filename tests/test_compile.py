@@ -211,6 +211,8 @@ def test_fixed_capacity_compiles_inside_generate_the_transformers_way():
     assert fixed.num_slots == eager.num_slots == 12 + 23
     assert torch.equal(fixed.positions, eager.positions)
     assert torch.allclose(fixed.layers[1].keys, eager.layers[1].keys, atol=1e-5)   # a 4-D mask path: rounding
+    # the raw keys of compiled slots are un-rotated on the first eager access: equal to the eager write path's
+    assert torch.allclose(fixed.layers[1].raw_keys, eager.layers[1].raw_keys, atol=1e-5)
     fixed.shift_(0, 6, 9)                                 # position operations after compiled steps
     assert fixed.positions[0, :6].tolist() == list(range(9, 15))
 

@@ -112,6 +112,12 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         return self.v.device if self.allocated else torch.device("cpu")
 
     @property
+    def raw_keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        """[B, H, T, D] keys before RoPE."""
+        self._owner._sync_count()
+        return None if self.raw_k is None else self.raw_k[:, :, : self.n]
+
+    @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
         """[B, H, T, D] values."""
         self._owner._sync_count()
