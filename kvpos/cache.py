@@ -74,6 +74,14 @@ def _sized(fixed: int | None, old: int, need: int, grow: Callable[[int, int], in
     return fixed
 
 
+def _static_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile that a fixed-capacity buffer keeps its address (as transformers' StaticCache does: the
+    compiler then treats it like a module buffer, and CUDA graphs can capture it); no effect on eager code."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
 def _dynamic_capacity(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Tell torch.compile that `t`'s capacity dimension changes (a regrow then reuses the compiled graphs instead of
     specialising on each size); no effect on eager code. Inside a trace the new buffer is already symbolic."""
@@ -91,8 +99,8 @@ def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int, fixed:
     for b in bufs:
         shape = list(b.shape)
         shape[dim] = cap
-        new.append(_alloc(shape, b.dtype, b.device, 0) if fixed else _dynamic_capacity(_alloc(shape, b.dtype,
-                                                                                               b.device), dim))
+        new.append(_static_buffer(_alloc(shape, b.dtype, b.device, 0)) if fixed else
+                   _dynamic_capacity(_alloc(shape, b.dtype, b.device), dim))
     for b, n in zip(bufs, new):
         n.narrow(dim, 0, valid).copy_(b.narrow(dim, 0, valid))
     return new
@@ -108,7 +116,7 @@ class SlotTable:
         self.fixed = fixed          # a fixed capacity (never grows nor shrinks), or None
         # fixed capacity: the slot count also as a 0-d int64 tensor, the one compiled forwards advance (a Python int
         # would specialise or recompile every step); eager code reads `n`, re-synced from it (PositionedKV._sync_count)
-        self.count = torch.zeros((), dtype=torch.long) if fixed is not None else None
+        self.count = _static_buffer(torch.zeros((), dtype=torch.long)) if fixed is not None else None
         self.n = 0
         # the layers' growth rule: table and layers then regrow in the same forward (one growth branch to compile)
         self.grow = _grown if grow is None else grow
@@ -167,9 +175,10 @@ class SlotTable:
             pos = _alloc((B, cap), torch.long, device, 0)
             vis = _alloc((B, cap), torch.bool, device, True)
             seg = _alloc((B, cap), torch.int32, device, 0)
-            self._pos, self._vis, self._seg = (t if self.fixed else _dynamic_capacity(t, 1) for t in (pos, vis, seg))
+            self._pos, self._vis, self._seg = (_static_buffer(t) if self.fixed else _dynamic_capacity(t, 1)
+                                               for t in (pos, vis, seg))
             if self.count is not None and self.count.device != pos.device:
-                self.count = self.count.to(pos.device)
+                self.count = _static_buffer(self.count.to(pos.device))
             return
         if need <= self.capacity:
             return
@@ -306,8 +315,8 @@ class SlotLayer:
                          fill)
             v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device, fill)
             rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device, fill) if self.storage == "rotated" else None
-            if not self.fixed:
-                rot, raw, v = (None if t is None else _dynamic_capacity(t, 2) for t in (rot, raw, v))
+            mark = _static_buffer if self.fixed else (lambda t: _dynamic_capacity(t, 2))
+            rot, raw, v = (None if t is None else mark(t) for t in (rot, raw, v))
             self.rot_k, self.raw_k, self.v, self.key_dtype = rot, raw, v, like_k.dtype
             return
         if need <= self.capacity:
