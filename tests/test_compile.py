@@ -48,6 +48,18 @@ def _compiled_decode(model, cache, first, steps=STEPS, fullgraph=False, between=
     return toks, cc.frame_count, breaks, early
 
 
+def _eager_decode(model, cache, first, steps, between=None):
+    """The same greedy loop as `_compiled_decode`, without torch.compile; returns the tokens."""
+    nxt, toks = first, []
+    with torch.no_grad():
+        for i in range(steps):
+            if between is not None:
+                between(i)
+            nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            toks.append(int(nxt))
+    return toks
+
+
 def _ids(model, n=PROMPT, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, model.config.vocab_size - 3, (1, n), generator=g)
@@ -102,13 +114,7 @@ def test_position_operations_between_compiled_forwards_match_eager():
             toks, _, breaks, _ = _compiled_decode(model, pos, first, steps=30, between=between)
             assert breaks == 0
             return toks, pos
-        nxt, toks = first, []
-        with torch.no_grad():
-            for i in range(30):
-                between(i)
-                nxt = model(nxt, cache=pos, use_cache=True).logits[:, -1:].argmax(-1)
-                toks.append(int(nxt))
-        return toks, pos
+        return _eager_decode(model, pos, first, 30, between), pos
 
     (a, ca), (b, cb) = run(True), run(False)
     assert a == b and torch.equal(ca.positions, cb.positions)
@@ -135,8 +141,8 @@ def test_fixed_capacity_position_operations_between_compiled_forwards():
     model, cfg = tiny_model("qwen2")
     ids = _ids(model)
 
-    def run(compiled):
-        c = PositionedCache.from_model(model, capacity=96)
+    def run(compiled, capacity=96):
+        c = PositionedCache.from_model(model, capacity=capacity)
         first = _prefill(model, c, ids)
 
         def between(i):
@@ -149,30 +155,13 @@ def test_fixed_capacity_position_operations_between_compiled_forwards():
             toks, g, b, _ = _compiled_decode(model, c, first, steps=30, fullgraph=True, between=between)
             assert b == 0
             return toks, c
-        nxt, toks = first, []
-        with torch.no_grad():
-            for i in range(30):
-                between(i)
-                nxt = model(nxt, cache=c, use_cache=True).logits[:, -1:].argmax(-1)
-                toks.append(int(nxt))
-        return toks, c
+        return _eager_decode(model, c, first, 30, between), c
 
     (a, ca), (b, cb) = run(True), run(False)
     assert a == b
     assert torch.equal(ca.positions, cb.positions)
     # and the growing cache gives the same tokens eagerly (capacity changes nothing but shapes)
-    g = PositionedCache.from_model(model)
-    first = _prefill(model, g, ids)
-    nxt, toks = first, []
-    with torch.no_grad():
-        for i in range(30):
-            if i == 5:
-                g.shift_(0, 10, 50)
-            if i == 15:
-                g.delete_(3, 6)
-            nxt = model(nxt, cache=g, use_cache=True).logits[:, -1:].argmax(-1)
-            toks.append(int(nxt))
-    assert toks == a
+    assert run(False, capacity=None)[0] == a
 
 
 def test_fixed_capacity_generate_and_logits_equal_dynamic_cache():

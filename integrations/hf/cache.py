@@ -66,6 +66,12 @@ def _install_forward_hook(model: torch.nn.Module) -> weakref.ref:
     return ref
 
 
+def _passed_positions(kwargs: dict) -> torch.Tensor | None:
+    """The position_ids a model handed to `cache.update` (as `kwargs={...}` or as keywords), or None."""
+    inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
+    return inner.get("position_ids") if isinstance(inner, dict) else None
+
+
 class PositionedLayer(SlotLayer, CacheLayerMixin):
     """One decoder layer of a PositionedCache: SlotLayer storage speaking the transformers CacheLayerMixin protocol."""
 
@@ -302,8 +308,7 @@ class PositionedCache(PositionedKV, Cache):
             if self._limited:
                 fail("PositionedCache under torch.compile", "a model whose RoPE has no exact-range limit (the "
                      "compiled path cannot read positions to check it)", "a dynamic / longrope RoPE", "run it eagerly")
-            inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
-            pos = inner.get("position_ids") if isinstance(inner, dict) else None
+            pos = _passed_positions(kwargs)
             if pos is None:
                 fail(f"cache.update layer {layer_idx} under torch.compile: position_ids", "the positions passed by "
                      "the model to the cache", None, "this architecture does not pass them (GPT-NeoX); run it eagerly")
@@ -334,8 +339,7 @@ class PositionedCache(PositionedKV, Cache):
                             ) -> torch.Tensor:
         """[B, S] int64 positions of the keys the model is handing over (read once per forward)."""
         B, S = k.shape[0], k.shape[2]
-        inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
-        pos = inner.get("position_ids") if isinstance(inner, dict) else None
+        pos = _passed_positions(kwargs)
         if pos is None and note is not None:
             pos = note.positions
         if pos is None and self._overwrite is not None and self._overwrite.pos is not None:
