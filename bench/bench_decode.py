@@ -12,13 +12,16 @@ Look at: ratio = PositionedCache tokens/s / DynamicCache tokens/s (target >= 1.0
 --compile: every cache decodes through torch.compile(model.forward) (inductor, default mode): DynamicCache,
 StaticCache, PositionedCache (reserved for the decoded tokens, so no buffer grows) and the fixed-capacity
 PositionedCache (capacity = context + steps, like the StaticCache). Each cache type gets its own compiled entry
-(its own dynamo cache, so no type evicts another's graphs); two warm-up steps per copy absorb compilation. Ratios:
-PositionedCache / DynamicCache and fixed-capacity PositionedCache / StaticCache (target >= 0.95 each).
+(its own dynamo cache, so no type evicts another's graphs); two warm-up steps per copy absorb compilation. Each
+round decodes every cache once, in an order that rotates from round to round. Ratios: PositionedCache / DynamicCache
+and fixed-capacity PositionedCache / StaticCache (target >= 0.95 each), taken per round (both caches of a pair decode
+in the same round) and reported as the median over rounds, with the smallest and largest round beside it.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 
@@ -66,7 +69,7 @@ def static_from(model, dyn, cap):
 
 
 def run_compiled(a, model, ctx, ids, rows):
-    """One context, four caches through torch.compile, alternating A/B/C/D for `reps` rounds."""
+    """One context, four caches through torch.compile, `reps` rounds, the order rotating each round."""
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
         first = model(ids, cache=dyn, use_cache=True).logits[:, -1:].argmax(-1)
@@ -83,20 +86,28 @@ def run_compiled(a, model, ctx, ids, rows):
         toks, _ = decode(model, make(), first, 4, fwds[name])
         ref = toks if ref is None else ref
         assert toks == ref, f"context {ctx}: {name} tokens {toks} != DynamicCache tokens {ref}"
-    times = {name: [] for name in sources}
-    for _ in tqdm(range(a.reps), desc=f"context {ctx} rounds", leave=False):
-        for name, make in sources.items():
-            _, ts = decode(model, make(), first, a.steps + 2, fwds[name])
+    names = list(sources)
+    times = {name: [] for name in names}
+    rounds = {name: [] for name in names}        # per-round median seconds per token, for paired ratios
+    for r in tqdm(range(a.reps), desc=f"context {ctx} rounds", leave=False):
+        for name in names[r % len(names):] + names[:r % len(names)]:   # order rotates: no cache always runs last
+            _, ts = decode(model, make_and_drop(sources[name]), first, a.steps + 2, fwds[name])
             times[name].extend(ts[2:])
-    base = {}
-    for name, ts in times.items():
-        tps = 1.0 / statistics.median(ts)
+            rounds[name].append(statistics.median(ts[2:]))
+    for name in names:
+        ts = times[name]
         ref_name = "DynamicCache" if name in ("DynamicCache", "PositionedCache") else "StaticCache"
-        base.setdefault(name, tps)
-        rows.append({"context": ctx, "cache": name, "compiled": True, "tokens_per_s": tps,
-                     "ms_per_token": 1e3 * statistics.median(ts), "ratio_vs": ref_name})
-    for r in rows[-4:]:
-        r["ratio"] = r["tokens_per_s"] / base[r["ratio_vs"]]
+        paired = [b / t for t, b in zip(rounds[name], rounds[ref_name])]   # same round, side by side
+        rows.append({"context": ctx, "cache": name, "compiled": True, "tokens_per_s": 1.0 / statistics.median(ts),
+                     "ms_per_token": 1e3 * statistics.median(ts), "ratio_vs": ref_name,
+                     "ratio": statistics.median(paired), "ratio_min": min(paired), "ratio_max": max(paired)})
+
+
+def make_and_drop(make):
+    """A fresh cache from `make`, after collecting the previous round's garbage (so no cache decodes beside the
+    freed buffers of another)."""
+    gc.collect()
+    return make()
 
 
 def main_compiled(a, model) -> None:
@@ -109,8 +120,10 @@ def main_compiled(a, model) -> None:
     for ctx in tqdm(a.contexts, desc="contexts"):
         ids = torch.randint(100, model.config.vocab_size - 100, (1, ctx), generator=g)
         run_compiled(a, model, ctx, ids, rows)
-    table = markdown_table(rows, ["context", "cache", "tokens_per_s", "ms_per_token", "ratio_vs", "ratio"],
-                           {"tokens_per_s": ".2f", "ms_per_token": ".1f", "ratio": ".3f"})
+    table = markdown_table(rows, ["context", "cache", "tokens_per_s", "ms_per_token", "ratio_vs", "ratio",
+                                  "ratio_min", "ratio_max"],
+                           {"tokens_per_s": ".2f", "ms_per_token": ".1f", "ratio": ".3f", "ratio_min": ".3f",
+                            "ratio_max": ".3f"})
     payload = {"model": getattr(model, "name_or_path", "?"), "steps": a.steps, "reps": a.reps, "compiled": True,
                "torch": torch.__version__, "wall_s": time.perf_counter() - t0, "machine": machine(), "rows": rows}
     write_outputs(a.json, payload, table)

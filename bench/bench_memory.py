@@ -5,12 +5,17 @@
 For each model dtype (fp32, bf16) and context length, three caches hold the same number of tokens:
   dynamic   transformers' DynamicCache (rotated keys + values)
   rotated   PositionedCache storage="rotated" (raw keys + rotated keys + values; attention reads stored keys)
-  raw       PositionedCache storage="raw" (raw keys + values; keys rotated on read into one per-forward scratch buffer)
+  raw       PositionedCache storage="raw" (raw keys + values; decode steps attended by the fused C kernel, which
+            rotates each key on read in registers: read="auto", the default, on an SDPA model)
+  raw-torch the same storage with read="torch": keys rotated on read into one per-forward scratch buffer, then SDPA
+            (the reference path)
 The caches are filled with random keys and values (bytes and decode time do not depend on the values; 32k tokens is
 beyond what a CPU prefills in a benchmark's time), then each decodes `--steps` tokens with a plain forward loop,
-modes alternating for `--reps` rounds; the median per-token time gives tokens/s. cache_bytes = bytes allocated for
+modes alternating for `--reps` rounds (the order rotating); the median per-token time gives tokens/s, and
+decode_ratio_vs_dynamic is the median over rounds of the ratio within a round (min and max beside it). cache_bytes = bytes allocated for
 keys, values and positions between forwards (capacity, growth slack included); forward_scratch_bytes = what a
-forward allocates on top while it runs (raw: one layer's rotated keys plus cos/sin). shift_ms = `shift_` of the
+forward allocates on top while it runs (raw-torch: one layer's rotated keys plus cos/sin; raw: cos/sin plus the
+kernel's split-K partials). shift_ms = `shift_` of the
 first half of the slots (rotated: re-rotates every moved key; raw: writes the slot table only).
 
 Store rows: bytes per token of one 512-token chunk in the kvpos store format (every scheme: float, int8, int4),
@@ -35,7 +40,7 @@ from kvpos.integrations.hf import PositionedCache, load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.store import SCHEMES, ChunkKV, ChunkStore, DiskBackend, RedisBackend, model_fingerprint, serialize
 
-MODES = ("dynamic", "rotated", "raw")
+MODES = ("dynamic", "rotated", "raw", "raw-torch")
 
 
 def _kv_dims(model) -> tuple[int, int, int]:
@@ -59,7 +64,8 @@ def build(model, mode: str, kv) -> DynamicCache | PositionedCache:
         for i, (k, v) in enumerate(kv):
             c.update(k.clone(), v.clone(), i)
         return c
-    c = PositionedCache.from_model(model, storage=mode)
+    c = PositionedCache.from_model(model, storage="rotated" if mode == "rotated" else "raw",
+                                   read="torch" if mode == "raw-torch" else "auto")
     c.append_raw_(kv, torch.arange(kv[0][0].shape[2]))
     return c
 
@@ -73,14 +79,24 @@ def cache_bytes(cache) -> int:
 
 
 def scratch_bytes(cache) -> int:
-    """What a forward allocates on top of the resident cache (raw: one layer of rotated keys + cos/sin per spec)."""
+    """What a forward allocates on top of the resident cache: cos/sin per spec, plus one layer of rotated keys
+    (read="torch") or the fused kernel's split-K partials and output (read="auto" / "fused")."""
     if not isinstance(cache, PositionedCache) or cache.storage != "raw":
         return 0
     raw = cache.layers[0].raw_k
     B, H, _, D = raw.shape
     n = cache.num_slots
     specs = {id(x.spec): x.spec for x in cache.layers}
-    return B * H * n * D * raw.element_size() + sum(2 * B * n * (s.rotary_dim // 2) * 4 for s in specs.values())
+    cos_sin = sum(2 * B * n * (s.rotary_dim // 2) * 4 for s in specs.values())
+    if cache.read == "torch":
+        return B * H * n * D * raw.element_size() + cos_sin
+    Hq = cache_query_heads(cache)
+    return cos_sin + 4 * (B * H * ((n + 127) // 128) * (Hq // H) * (D + 2) + B * Hq * D)
+
+
+def cache_query_heads(cache) -> int:
+    model = cache.origin()
+    return model.config.num_attention_heads
 
 
 @torch.no_grad()
@@ -119,18 +135,21 @@ def memory_rows(model, dtype_name: str, contexts, steps: int, reps: int) -> list
         del kv
         size = {m: cache_bytes(c) for m, c in caches.items()}
         times = {m: [] for m in MODES}
-        for r in range(reps):                                   # A/B/C alternation: drift hits every mode alike
-            for m in MODES:
-                times[m].extend(decode_times(model, caches[m], steps, seed=r))
+        rounds = {m: [] for m in MODES}                         # per-round median seconds per token
+        for r in range(reps):               # every mode once per round, the order rotating: drift hits all alike
+            for m in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                ts = decode_times(model, caches[m], steps, seed=r)
+                times[m].extend(ts)
+                rounds[m].append(statistics.median(ts))
         for m in MODES:
-            tps = 1.0 / statistics.median(times[m])
+            paired = [d / t for t, d in zip(rounds[m], rounds["dynamic"])]   # same round, side by side
             rows.append({"context": ctx, "mode": m, "dtype": dtype_name, "cache_bytes": size[m],
                          "ratio_vs_dynamic": size[m] / size["dynamic"],
                          "forward_scratch_bytes": scratch_bytes(caches[m]),
-                         "decode_tokens_per_s": tps, "shift_ms": shift_ms(caches[m])})
-        base = next(r["decode_tokens_per_s"] for r in rows[-3:] if r["mode"] == "dynamic")
-        for r in rows[-3:]:
-            r["decode_ratio_vs_dynamic"] = r["decode_tokens_per_s"] / base
+                         "decode_tokens_per_s": 1.0 / statistics.median(times[m]),
+                         "decode_ratio_vs_dynamic": statistics.median(paired),
+                         "decode_ratio_min": min(paired), "decode_ratio_max": max(paired),
+                         "shift_ms": shift_ms(caches[m])})
         del caches
     return rows
 
@@ -181,7 +200,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--steps", type=int, default=9, help="forwards per round (the first of each warms, dropped)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-store", action="store_true", help="skip the store rows (they start a redis-server)")
@@ -197,9 +216,10 @@ def main() -> None:
     rows = [] if a.store_only else [r for d in a.dtypes for r in memory_rows(model, d, a.contexts, a.steps, a.reps)]
     store = [] if a.no_store else store_rows(model, reps=7)
     cols = ["context", "mode", "dtype", "cache_bytes", "ratio_vs_dynamic", "forward_scratch_bytes",
-            "decode_tokens_per_s", "decode_ratio_vs_dynamic", "shift_ms"]
+            "decode_tokens_per_s", "decode_ratio_vs_dynamic", "decode_ratio_min", "decode_ratio_max", "shift_ms"]
     table = markdown_table(rows, cols, {"ratio_vs_dynamic": ".3f", "decode_tokens_per_s": ".2f",
-                                        "decode_ratio_vs_dynamic": ".3f", "shift_ms": ".2f"}) if rows else ""
+                                        "decode_ratio_vs_dynamic": ".3f", "decode_ratio_min": ".3f",
+                                        "decode_ratio_max": ".3f", "shift_ms": ".2f"}) if rows else ""
     if store:
         table += ("\n\n" if table else "") + markdown_table(store, ["dtype", "scheme", "backend", "chunk_tokens", "bytes_per_token",
                                                  "bytes_vs_fp32_float", "fetch_ms", "fetch_ms_per_1k_tokens"],

@@ -17,13 +17,17 @@ Methods:
   (ape)                with --ape: parallel layout + APE attention (same cost as kvpos_parallel + merge)
   kvpos_seq_attn{r}    with --attn r: the question's attention over the composed cache picks r of the chunk tokens,
                        re-encoded in context (all layers) before the question runs
-Look at: speedup_vs_full of kvpos_seq at 4k and 8k (target >= 10x) and the first-token agreement column.
+  kvpos_seq_redis_{s}  with --redis: kvpos_seq with every chunk fetched from a local redis-server (a private one the
+                       benchmark starts) in store scheme s (float, int8, int4): verified read, dequantized, composed
+Look at: speedup_vs_full of kvpos_seq at 4k and 8k (target >= 10x) and the first-token agreement column; with
+--redis, the TTFT of kvpos_seq_redis_* beside kvpos_seq (chunks in memory).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -36,6 +40,8 @@ from kvpos.integrations.ape import ApeBackend
 from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
 from kvpos.integrations.hf import extend, load_model
 from kvpos.integrations.rag import ChatPromptBuilder
+from kvpos.integrations.servers import start_redis
+from kvpos.store import SCHEMES, RedisBackend
 
 QUESTION = ("Based on the passages above, what does the author think is the most important lesson for people who "
             "want to start something new, and why?")
@@ -85,6 +91,8 @@ def main() -> None:
     ap.add_argument("--single-message", action="store_true",
                     help="all passages in one user message (default: one user message per passage)")
     ap.add_argument("--only", nargs="*", default=None, help="time only these methods (full and prefix_cache always)")
+    ap.add_argument("--redis", nargs="*", default=None, choices=list(SCHEMES),
+                    help="also time kvpos_seq with chunks fetched from Redis, per store scheme (default: all)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -92,6 +100,18 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.redis is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, port = start_redis(tmp)
+            try:
+                return run(a, port)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+    return run(a, None)
+
+
+def run(a, redis_port: int | None) -> None:
     model, tok = load_model(a.model)
     builder = ChatPromptBuilder(tok, turns=not a.single_message)
     cc = ChunkComposer(model, builder.anchor_ids)
@@ -101,6 +121,12 @@ def main() -> None:
     if a.ape:
         methods.append("ape")
     methods += [f"kvpos_seq_attn{round(100 * r)}" for r in a.attn]
+    remote = {}                                       # scheme -> a composer whose store is a Redis backend
+    if redis_port is not None:
+        for scheme in a.redis or SCHEMES:
+            remote[scheme] = ChunkComposer(model, builder.anchor_ids, backend=RedisBackend(
+                port=redis_port, prefix=f"ttft-{scheme}:", scheme=scheme))
+            methods.append(f"kvpos_seq_redis_{scheme}")
     if a.only is not None:
         methods = [m for m in methods if m in ("full", "prefix_cache") or m in a.only]
     rows = []
@@ -113,6 +139,8 @@ def main() -> None:
         ids = torch.cat([A, *[chunks[i] for i in order], q])[None]
         total = ids.shape[1]
         cc.precompute(chunks, progress=False)
+        for r in remote.values():
+            r.precompute(chunks, progress=False)
         prev = DynamicCache(config=model.config)
         with torch.no_grad():
             model(prev_ids, cache=prev, use_cache=True)
@@ -121,9 +149,9 @@ def main() -> None:
         assert (got - ref).abs().max() < 1e-3, "prefix-cache reuse must equal full prefill"
         ref_tok = int(ref.argmax())
 
-        def kv(layout, link_k=0, ratio=0.0, ape=False, attn=0.0):
+        def kv(layout, link_k=0, ratio=0.0, ape=False, attn=0.0, composer=cc):
             req = [chunks[i] for i in order]
-            cache, info = cc.compose(req, layout=layout, link_k=link_k, recompute_ratio=ratio)
+            cache, info = composer.compose(req, layout=layout, link_k=link_k, recompute_ratio=ratio)
             if attn:
                 slots = info.plan.chunk_slots()
                 query_aware_refresh(model, cache, slots, torch.cat(req), q, attn, info.plan.allowed()[slots])
@@ -135,7 +163,8 @@ def main() -> None:
                "kvpos_parallel": lambda: kv("parallel"),
                f"kvpos_selective{int(a.ratio * 100)}": lambda: kv("sequential", ratio=a.ratio),
                "ape": lambda: kv("parallel", ape=True),
-               **{f"kvpos_seq_attn{round(100 * r)}": (lambda r=r: kv("sequential", attn=r)) for r in a.attn}}
+               **{f"kvpos_seq_attn{round(100 * r)}": (lambda r=r: kv("sequential", attn=r)) for r in a.attn},
+               **{f"kvpos_seq_redis_{s}": (lambda c=c: kv("sequential", composer=c)) for s, c in remote.items()}}
         times: dict[str, list[float]] = {m: [] for m in methods}
         first: dict[str, int] = {}
         for rep in tqdm(range(a.reps), desc=f"ttft {total} tokens / {n_chunks} chunks", file=sys.stdout):

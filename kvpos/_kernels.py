@@ -1,4 +1,6 @@
-"""A fused CPU rotation kernel (C, OpenMP), built once with the system C compiler and loaded with ctypes.
+"""Fused CPU kernels (C, OpenMP), built once with the system C compiler and loaded with ctypes: RoPE rotation,
+decode attention over raw keys (each key rotated in registers while it is scored: rotate-on-read storage never
+materialises rotated keys), int8 scoring and top-k for windowed retrieval.
 
 Why: a RoPE rotation in torch eager is 4+ elementwise passes over the keys (results/bench_rotate.md); one fused
 loop reads each raw key once and writes each rotated key once. The kernel is optional: without a C compiler (or on
@@ -21,9 +23,11 @@ import tempfile
 
 import torch
 
-__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "score_int8_kernel", "topk_indices", "transpose_int8_blocks"]
+__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "score_int8_kernel",
+           "topk_indices", "transpose_int8_blocks"]
 
 _SRC = r"""
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -136,6 +140,180 @@ void kvpos_score_int8(const float *q, const int8_t *kt, const float *scale, floa
     }
 }
 
+/* Decode attention over RAW keys (rotate on read, never materialised). One query token per row.
+   q float32 [B, Hq, D] contiguous (rotated by the model); k, v: T* [B, Hkv, *, D] with unit stride on D, stride D on
+   slots, B/H strides kb, kh (v: vb, vh), in elements; cs, sn float32 [Bc, N, R/2] contiguous, the cos/sin of each
+   slot's position already multiplied by the RoPE attention scaling (Bc in {1, B}); mask float32 additive [Bm, N]
+   (Bm in {1, B}) or NULL; out float32 [B, Hq, D]; Hq = Hkv * G (query head h * G + g reads kv head h, as
+   transformers' repeat_kv); work float32 [B * Hkv * nch * G * (D + 2)]; layout 0 = half, 1 = interleaved.
+   Work item = (row, kv head, chunk of KV_CHUNK slots): scores of the G queries against the chunk's keys (each key
+   rotated once, in registers), the chunk's softmax partials (max, sum, V accumulation); a second loop merges the
+   chunks (split-K, so that 2 threads stay busy with 3 kv heads). Rows every key of which is masked give 0.
+   AVX2 path: half layout with R/2 and D - R multiples of 8 (scores, exp); otherwise plain C (same formulas). */
+#define KV_CHUNK 128
+#define KV_MAXG 16
+
+#if defined(__AVX2__)
+static inline __m256 ld8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+/* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction, degree-6 polynomial (about 2 ulp); x below
+   -87 (exp underflows, masked keys are -inf) gives exactly 0. */
+static inline __m256 exp8_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#define KV_AVX2 1
+#else
+#define KV_AVX2 0
+#endif
+
+/* scores sc[g][j - j0] of the G queries against keys j0..j1-1, rotated on the fly */
+#define SCORES_SCALAR(LOAD)                                                                                    \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        const T *kj = kr + j * D;                                                                              \
+        const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
+        float kx[256];                                                                                         \
+        for (int64_t i = 0; i < h2; i++) {                                                                     \
+            const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;                \
+            const float a = LOAD(kj[ia]), e = LOAD(kj[ie]);                                                    \
+            kx[ia] = a * cj[i] - e * nj[i];                                                                    \
+            kx[ie] = e * cj[i] + a * nj[i];                                                                    \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i++) kx[i] = LOAD(kj[i]);                                                   \
+        const float add = mrow ? mrow[j] : 0.0f;                                                               \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            const float *qg = qh + g * D;                                                                      \
+            float dot = 0.0f;                                                                                  \
+            for (int64_t i = 0; i < D; i++) dot += qg[i] * kx[i];                                              \
+            sc[g][j - j0] = dot * scale + add;                                                                 \
+        }                                                                                                      \
+    }
+
+#define SCORES_AVX2(LD8)                                                                                       \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        const T *kj = kr + j * D;                                                                              \
+        const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
+        __m256 acc[KV_MAXG];                                                                                   \
+        for (int64_t g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();                                          \
+        for (int64_t i = 0; i < h2; i += 8) {                                                                  \
+            const __m256 a = LD8(kj + i), e = LD8(kj + i + h2);                                                \
+            const __m256 c = _mm256_loadu_ps(cj + i), n = _mm256_loadu_ps(nj + i);                             \
+            const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                      \
+            const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                      \
+            for (int64_t g = 0; g < G; g++) {                                                                  \
+                const float *qg = qh + g * D;                                                                  \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), ra, acc[g]);                                 \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + h2), rb, acc[g]);                            \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i += 8) {                                                                   \
+            const __m256 x = LD8(kj + i);                                                                      \
+            for (int64_t g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]); \
+        }                                                                                                      \
+        const float add = mrow ? mrow[j] : 0.0f;                                                               \
+        for (int64_t g = 0; g < G; g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                           \
+    }
+
+#define DECODE_BODY(LOAD, LD8)                                                                                 \
+    const int64_t h2 = R / 2, nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                     \
+    const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t idx = 0; idx < total; idx++) {                                                               \
+        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
+        const int64_t j0 = c * KV_CHUNK, j1 = j0 + KV_CHUNK < N ? j0 + KV_CHUNK : N, nj = j1 - j0;            \
+        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
+        const T *kr = k + b * kb + h * kh, *vr = v + b * vb + h * vh;                                         \
+        const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
+        const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
+        float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
+        if (vec) { KV_SCORES_VEC(LD8) } else { SCORES_SCALAR(LOAD) }                                           \
+        float *wk = work + idx * G * (D + 2);                                                                  \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            float m = -INFINITY, l = 0.0f;                                                                     \
+            for (int64_t j = 0; j < nj; j++) m = sc[g][j] > m ? sc[g][j] : m;                                  \
+            if (m == -INFINITY) {                                                                              \
+                for (int64_t j = 0; j < nj; j++) sc[g][j] = 0.0f;                                              \
+            } else {                                                                                           \
+                int64_t j = 0;                                                                                 \
+                KV_EXP_VEC                                                                                     \
+                for (; j < nj; j++) sc[g][j] = expf(sc[g][j] - m);                                             \
+                for (j = 0; j < nj; j++) l += sc[g][j];                                                        \
+            }                                                                                                  \
+            wk[g * (D + 2)] = m;                                                                               \
+            wk[g * (D + 2) + 1] = l;                                                                           \
+            for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;                                                  \
+        }                                                                                                      \
+        for (int64_t j = 0; j < nj; j++) {                 /* each value row read once, for every query */     \
+            const T *vj = vr + (j0 + j) * D;                                                                   \
+            float vx[256];                                                                                     \
+            for (int64_t i = 0; i < D; i++) vx[i] = LOAD(vj[i]);                                               \
+            for (int64_t g = 0; g < G; g++) {                                                                  \
+                const float p = sc[g][j];                                                                      \
+                _Pragma("GCC ivdep")                                                                           \
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * vx[i];                                        \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
+    }                                                                                                          \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t r = 0; r < B * Hkv * G; r++) {                                                               \
+        const int64_t g = r % G, bh = r / G;                                                                  \
+        float M = -INFINITY, L = 0.0f, *o = out + r * D;                                                       \
+        for (int64_t c = 0; c < nch; c++) {                                                                   \
+            const float mc = work[((bh * nch + c) * G + g) * (D + 2)];                                        \
+            M = mc > M ? mc : M;                                                                               \
+        }                                                                                                      \
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;                                                           \
+        if (M == -INFINITY) continue;                                                                          \
+        for (int64_t c = 0; c < nch; c++) {                                                                   \
+            const float *wc = work + ((bh * nch + c) * G + g) * (D + 2);                                      \
+            if (wc[0] == -INFINITY) continue;                                                                  \
+            const float f = expf(wc[0] - M);                                                                   \
+            L += f * wc[1];                                                                                    \
+            for (int64_t i = 0; i < D; i++) o[i] += f * wc[2 + i];                                             \
+        }                                                                                                      \
+        for (int64_t i = 0; i < D; i++) o[i] /= L;                                                             \
+    }
+
+#if KV_AVX2
+#define KV_SCORES_VEC(LD8) SCORES_AVX2(LD8)
+#define KV_EXP_VEC                                                                                             \
+    for (; j + 8 <= nj; j += 8)                                                                                \
+        _mm256_storeu_ps(sc[g] + j, exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + j), _mm256_set1_ps(m))));
+#else
+#define KV_SCORES_VEC(LD8)
+#define KV_EXP_VEC
+#endif
+
+#define DECODE_ARGS const float *q, const void *kp, const void *vp, const float *cs, const float *sn,              \
+                    const float *mask, float *out, float *work, int64_t B, int64_t Hkv, int64_t G, int64_t N,      \
+                    int64_t D, int64_t R, int64_t Bc, int64_t Bm, int64_t kb, int64_t kh, int64_t vb, int64_t vh,  \
+                    float scale, int layout, int nthreads
+void kvpos_decode_raw_f32(DECODE_ARGS) { typedef float T; const T *k = kp, *v = vp; DECODE_BODY(IDENT, ld8_f32) }
+void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *v = vp; DECODE_BODY(bf16_load, ld8_bf16) }
+
 /* Indices of the k largest entries of each row of s [H, F] (unordered), by quickselect on a copy; out int64 [H, k].
    O(F) per row instead of a sort. */
 static void kv_select(float *v, int64_t *ix, int64_t n, int64_t k) {
@@ -198,7 +376,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
             with open(src, "w") as f:
                 f.write(_SRC)
             out = os.path.join(tmp, "rope.so")
-            res = subprocess.run([cc, *_FLAGS, src, "-o", out], capture_output=True, text=True)
+            res = subprocess.run([cc, *_FLAGS, src, "-o", out, "-lm"], capture_output=True, text=True)
             if res.returncode != 0:
                 return None, f"{cc} failed: {res.stderr.strip()[:500]}"
             os.replace(out, so)  # atomic: concurrent builders leave one valid file
@@ -212,6 +390,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvpos_score_int8.restype = None
     lib.kvpos_topk.argtypes = [vp] + [i64] * 3 + [vp, vp, vp, ctypes.c_int]
     lib.kvpos_topk.restype = None
+    for name in ("kvpos_decode_raw_f32", "kvpos_decode_raw_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [vp] * 8 + [i64] * 12 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = None
     return lib, None
 
 
@@ -291,6 +473,46 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
        ints(*[b[0] for b in ost]), ints(*[b[1] for b in ost]),
        1 if interleaved else 0, max(1, torch.get_num_threads()))
     return True
+
+
+def decode_raw_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float, rotary_dim: int, interleaved: bool
+                      ) -> torch.Tensor | None:
+    """Attention of one query token per row over raw keys rotated on the fly: [B, Hq, D] float32.
+
+    q [B, Hq, D] (rotated, any float dtype); k, v [B, Hkv, N, D] (raw keys, values; fp32 or bf16, unit stride on D,
+    stride D on slots); cos/sin [B|1, N, R/2] float32, already multiplied by the RoPE attention scaling; mask None or
+    an additive float32 [B|1, N]. Hq must be a multiple of Hkv (query head h*G+g reads kv head h). Returns None when
+    the kernel cannot serve these tensors (the caller then rotates into a buffer and runs SDPA: same numbers up to
+    float rounding). Float64 reference: `kvpos.reference.decode_raw_ref`."""
+    if torch.compiler.is_compiling():
+        return None
+    B, Hkv, N, D = k.shape
+    Hq = q.shape[1]
+    if (k.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+            or v.shape != k.shape or k.stride(3) != 1 or k.stride(2) != D or v.stride(3) != 1 or v.stride(2) != D
+            or q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or Hq % Hkv or Hq // Hkv > 16 or D > 256
+            or N == 0 or k.requires_grad or v.requires_grad or cos.dtype != torch.float32):
+        return None
+    h2 = rotary_dim // 2
+    cs, sn = cos.reshape(-1, N, h2).contiguous(), sin.reshape(-1, N, h2).contiguous()
+    m = None if mask is None else mask.reshape(-1, N).to(torch.float32).contiguous()
+    if cs.shape[0] not in (1, B) or (m is not None and m.shape[0] not in (1, B)):
+        return None
+    lib = _get()
+    if lib is None:
+        return None
+    G = Hq // Hkv
+    qc = q.to(torch.float32).contiguous()
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    nch = (N + 127) // 128
+    work = torch.empty(B * Hkv * nch * G * (D + 2), dtype=torch.float32)
+    fn = lib.kvpos_decode_raw_f32 if k.dtype == torch.float32 else lib.kvpos_decode_raw_bf16
+    fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), cs.data_ptr(), sn.data_ptr(), 0 if m is None else m.data_ptr(),
+       out.data_ptr(), work.data_ptr(), B, Hkv, G, N, D, rotary_dim, cs.shape[0], 1 if m is None else m.shape[0],
+       k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
+       max(1, torch.get_num_threads()))
+    return out
 
 
 def transpose_int8_blocks(k: torch.Tensor) -> torch.Tensor:

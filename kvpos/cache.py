@@ -471,6 +471,7 @@ class PositionedKV:
         self._forward: _Forward | None = None
         self._overwrite: _Overwrite | None = None
         self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
+        self._handout: _ReadState | None = None           # read state of the last write that handed out raw keys
 
     def _new_table(self) -> SlotTable:
         return SlotTable(self.capacity, _grown if self.storage == "rotated" else _grown_tight)
@@ -562,6 +563,30 @@ class PositionedKV:
             return l.rot_k[:, :, : l.n] if l.allocated else None
         return self._rotate_on_read(index)
 
+    def raw_read(self, index: int, state: "_ReadState | None" = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """storage="raw": layer `index`'s (raw keys, values [B, H, T, D], cos, sin [B, T, R/2] float32 of the slots'
+        positions, multiplied by the RoPE attention scaling): what an attention needs to rotate keys on read itself.
+        `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `_handout`)."""
+        l = self.layers[index]
+        if l.storage != "raw" or not l.allocated:
+            fail(f"raw_read layer {index}", "an allocated layer with storage='raw'",
+                 f"storage={l.storage!r}, allocated={l.allocated}")
+        st = self._read_state() if state is None or state.n != l.n else state
+        cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
+        s = l.spec.attention_scaling
+        cos, sin = cos[:, 0, : l.n], sin[:, 0, : l.n]
+        if s != 1.0:
+            cos, sin = cos * s, sin * s
+        return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
+
+    def _drop_tail_(self, n0: int) -> None:
+        """Forget every slot from `n0` on (a forward that failed after it committed); positions, keys untouched."""
+        self._forward = None
+        for l in self.layers:
+            l.n = min(l.n, n0)
+        self.table.truncate(n0)
+
     def _read_state(self) -> _ReadState:
         """The running forward's (or recompute's) rotate-on-read state, else a transient one."""
         for run in (self._overwrite, self._forward):
@@ -645,13 +670,15 @@ class PositionedKV:
                         cos[:, None], sin[:, None], spec)
 
     # -- the write path of an engine forward -----------------------------------------------------------------------
-    def write_rotated_(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_rotated_(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                       hand_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `index`'s S new keys, already rotated by the engine to `pos` [B, S] int64, and values.
 
         k_rot, v: [B, H, S, D]. The first layer written in a forward appends the slots to the table; the forward
         commits when every layer has written. Returns every (rotated key, value) of the layer, [B, H, T, D] views.
-        Inside `overwriting(slots)` the S tokens replace existing slots instead (positions must match)."""
+        Inside `overwriting(slots)` the S tokens replace existing slots instead (positions must match).
+        hand_raw (storage="raw" only): return the RAW keys instead, for an attention that rotates them itself (a
+        fused kernel); `raw_read()` then gives their cos/sin. The caller must guarantee that reader."""
         if self._overwrite is not None:
             return self._overwrite_layer(index, k_rot, v, pos)
         if self.capacity is not None and torch.compiler.is_compiling():
@@ -674,7 +701,10 @@ class PositionedKV:
             cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
         layer.append(k_rot if layer.storage == "rotated" else None, v, raw)
-        if layer.storage == "raw":
+        if layer.storage == "raw" and hand_raw:
+            self._handout = self._read_state()       # the forward's cos/sin, shared by its layers
+            keys = layer.raw_k[:, :, : layer.n]
+        elif layer.storage == "raw":
             keys = self._rotate_on_read(index, (fw.n0, k_rot))
         elif self.capacity is not None:
             keys = layer.rot_k                      # fixed capacity: every slot (static shape), the mask hides the rest

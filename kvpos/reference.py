@@ -10,7 +10,8 @@ import torch
 
 from .rope import RopeLayout, RopeSpec
 
-__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "ape_merge_ref", "windowed_score_ref"]
+__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "ape_merge_ref",
+           "windowed_score_ref"]
 
 
 def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
@@ -65,6 +66,16 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     lse = torch.logsumexp(s, -1)
     w = torch.exp(s - lse[..., None])
     return w @ v, lse
+
+
+def decode_raw_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, spec: RopeSpec,
+                   allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """What the fused raw-key decode kernel computes, in float64: q [B, Hq, D] (one rotated query per row) attending
+    raw keys k_raw [B, H, T, D] rotated to pos [B, T] by explicit matrices, values v; allowed [B, T] bool or None.
+    Returns [B, Hq, D]."""
+    k = rotate_ref(k_raw, pos, spec)
+    out, _ = attend_ref(q[:, :, None], k, v, None if allowed is None else allowed[:, None, None], scale)
+    return out[:, :, 0]
 
 
 def ape_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ctx: torch.Tensor, allowed: torch.Tensor,

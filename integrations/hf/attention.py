@@ -25,13 +25,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpos._checks import fail
+from kvpos._kernels import decode_raw_kernel
 from kvpos.cache import PositionedKV
+from kvpos.rope import RopeLayout
 
 __all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "bind_attention", "current_binding",
-           "allowed_from_mask", "layers_heads"]
+           "allowed_from_mask", "layers_heads", "RawRead", "hand_raw_keys", "uses_kvpos_attention",
+           "switch_to_kvpos"]
 
 NAME = "kvpos"
 _BINDING: contextvars.ContextVar["Binding | None"] = contextvars.ContextVar("kvpos_attention_binding", default=None)
+# raw keys a storage="raw" cache just handed to this thread's attention call (rotate-on-read by the fused kernel)
+_RAW: contextvars.ContextVar["RawRead | None"] = contextvars.ContextVar("kvpos_raw_read", default=None)
 
 
 @dataclass
@@ -106,11 +111,113 @@ def allowed_from_mask(mask: torch.Tensor | None, q: int, N: int, device: torch.d
     return mask[..., -N:] > torch.finfo(mask.dtype).min / 2
 
 
+@dataclass
+class RawRead:
+    """Raw keys a storage="raw" PositionedCache handed to the next attention call of `layer` (one decode token per
+    row): the call rotates them on read itself. `strict`: the cache's read="fused" (an attention call the kernel
+    cannot serve raises, after dropping the forward's slots from `n0` on) instead of rotating into a buffer."""
+
+    cache_ref: Any                    # weakref.ref to the PositionedKV (a context variable never keeps a cache alive)
+    layer: int
+    ptr: int
+    n: int
+    n0: int
+    state: Any
+    strict: bool
+
+    @property
+    def cache(self) -> PositionedKV:
+        cache = self.cache_ref()
+        if cache is None:
+            fail(f"raw keys of layer {self.layer}", "their PositionedCache alive", "a dropped cache")
+        return cache
+
+    def matches(self, module: torch.nn.Module, key: torch.Tensor) -> bool:
+        return getattr(module, "layer_idx", None) == self.layer and key.data_ptr() == self.ptr \
+            and key.shape[2] == self.n
+
+
+def hand_raw_keys(read: RawRead) -> None:
+    """Announce raw keys to this thread's next "kvpos" attention call (the cache's update calls this)."""
+    _RAW.set(read)
+
+
+_UNFUSED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def _why_not_fused(module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> str | None:
+    """Why the fused raw-key kernel cannot serve this call, or None."""
+    for k in _UNFUSED_KWARGS:
+        if kwargs.get(k) is not None:
+            return f"the attention call passes {k}"
+    if dropout:
+        return f"dropout={dropout}"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True"
+    if query.shape[2] != 1:
+        return f"{query.shape[2]} query tokens per row (the kernel serves one)"
+    if query.shape[1] % value.shape[1] or query.shape[1] // value.shape[1] > 16:
+        return f"{query.shape[1]} query heads over {value.shape[1]} kv heads (needs a multiple, at most 16x)"
+    if attention_mask is not None and attention_mask.dim() != 4:
+        return f"a {attention_mask.dim()}-D attention mask"
+    return None
+
+
+def _additive_mask(mask: torch.Tensor | None, N: int) -> torch.Tensor | None:
+    """transformers' 4-D mask for one query token [B|1, 1|H, 1, >=N] -> additive float32 [B|1, N], or None."""
+    if mask is None:
+        return None
+    m = mask[:, 0, -1, -N:]
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
+    return m.to(torch.float32)
+
+
+def _raw_attention(read: RawRead, module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                   kwargs: dict) -> torch.Tensor | None:
+    """[B, 1, Hq, D] from the fused kernel over the cache's raw keys, or None (the caller rotates into a buffer)."""
+    why = _why_not_fused(module, query, value, attention_mask, dropout, kwargs)
+    out = None
+    if why is None:
+        k, v, cos, sin = read.cache.raw_read(read.layer, read.state)
+        spec = read.cache.layers[read.layer].spec
+        sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        out = decode_raw_kernel(query[:, :, 0], k, v, cos, sin, _additive_mask(attention_mask, k.shape[2]), sm,
+                                spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED)
+        why = None if out is not None else "the kernel cannot serve these tensors (kvpos._kernels.kernel_status())"
+    if out is None and read.strict:
+        read.cache._drop_tail_(read.n0)
+        fail(f"PositionedCache(read='fused') layer {read.layer}", "a decode attention call the fused raw-key "
+             "kernel serves", why, "use read='auto' (rotate into a buffer where the kernel cannot serve)")
+    if out is None:
+        return None
+    read.cache.read_counts["fused"] += 1
+    return out.to(query.dtype)[:, None]
+
+
 def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The "kvpos" attention implementation: the bound backend for modules of the bound model, SDPA otherwise."""
+    """The "kvpos" attention implementation: the bound backend for modules of the bound model, SDPA otherwise.
+    Raw keys handed out by a storage="raw" cache are attended by the fused kernel, or rotated first."""
+    if torch.compiler.is_compiling() and not getattr(module, "_kvpos_bound", 0):
+        # traced: no binding on this model in any thread (bind_attention counts them on the modules), and a cache's
+        # traced update never hands out raw keys; context variables would split the graph, so SDPA directly
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     b = _BINDING.get()
+    read = _RAW.get()
+    if read is not None and read.matches(module, key):
+        _RAW.set(None)
+        bound = b is not None and id(module) in b.modules
+        out = None if bound else _raw_attention(read, module, query, value, attention_mask, dropout, scaling,
+                                                kwargs)
+        if out is not None:
+            return out, None
+        key = read.cache._rotate_on_read(read.layer)        # the reference path: keys rotated into a buffer
+        read.cache.read_counts["torch"] += 1
     if b is None or id(module) not in b.modules:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -124,9 +231,26 @@ def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def _kvpos_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """SDPA's mask; a concrete one (no causal skip) while a binding is active: backends need to know what each
     query may see."""
-    if _BINDING.get() is not None:
-        kwargs["allow_is_causal_skip"] = False
+    if not torch.compiler.is_compiling() and _BINDING.get() is not None:   # (traced: no context variable; a
+        kwargs["allow_is_causal_skip"] = False     # skipped mask reads as causal in allowed_from_mask anyway)
     return sdpa_mask(*args, **kwargs)
+
+
+def _attn_configs(model: torch.nn.Module) -> list:
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return [cfg] if text is cfg else [cfg, text]
+
+
+def uses_kvpos_attention(model: torch.nn.Module) -> bool:
+    """Whether every attention of `model` goes through the "kvpos" implementation."""
+    return all(getattr(c, "_attn_implementation", None) == NAME for c in _attn_configs(model))
+
+
+def switch_to_kvpos(model: torch.nn.Module) -> None:
+    """Switch `model` (attn_implementation 'sdpa') to "kvpos": SDPA itself for ordinary keys, the raw-key reader
+    for a storage="raw" cache's decode steps."""
+    _switch(model)
 
 
 def _switch(model: torch.nn.Module) -> None:
@@ -156,12 +280,17 @@ def bind_attention(model: torch.nn.Module, backend: AttentionBackend, cache: Pos
         fail(f"{type(backend).__name__} cache", "a PositionedCache (the cache the forward runs with)",
              type(cache).__name__, exc=TypeError)
     _switch(model)
-    binding = Binding(backend, cache, frozenset(id(m) for m in model.modules()))
+    modules = list(model.modules())
+    binding = Binding(backend, cache, frozenset(id(m) for m in modules))
     token = _BINDING.set(binding)
+    for m in modules:              # seen by compiled code, which cannot read the context variable
+        m._kvpos_bound = getattr(m, "_kvpos_bound", 0) + 1
     try:
         yield binding
     finally:
         _BINDING.reset(token)
+        for m in modules:
+            m._kvpos_bound -= 1
 
 
 def current_binding() -> Binding | None:

@@ -23,10 +23,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpos._checks import fail
+from kvpos._kernels import kernel_status, rope_kernel_available
 from kvpos.cache import PositionedKV, SlotLayer
 from kvpos.rope import RopeSpec, rope_specs_from_model
 
-__all__ = ["PositionedCache", "PositionedLayer", "register_pytree"]
+from .attention import RawRead, hand_raw_keys, switch_to_kvpos, uses_kvpos_attention
+
+__all__ = ["PositionedCache", "PositionedLayer", "register_pytree", "READS"]
+
+READS = ("auto", "torch", "fused")
 
 @dataclass(frozen=True)
 class _ForwardNote:
@@ -186,7 +191,13 @@ class PositionedCache(PositionedKV, Cache):
 
     Memory: storage="rotated" (default) keeps raw keys + rotated keys + values (1.5x a DynamicCache), buffers
     growing geometrically (no per-step cat); storage="raw" keeps raw keys + values (the size of a DynamicCache) and
-    rotates keys on read, one layer at a time.
+    rotates keys on read. How raw keys are read (`read`):
+      "auto" (default): decode steps (one token per row) hand the raw keys to the "kvpos" attention (from_model
+          switches an SDPA model to it), whose fused C kernel rotates each key in registers while it scores it
+          (`kvpos._kernels.decode_raw_kernel`); other forwards, and calls the kernel cannot serve, rotate the layer
+          into a per-forward scratch buffer and run SDPA. `cache.read_counts` counts layer reads by path.
+      "torch": always the scratch buffer + SDPA (the reference path).
+      "fused": decode steps must take the kernel: a step it cannot serve raises (the cache keeps its slots).
 
     torch.compile: decoding compiles without graph breaks (the traced update reads no tensor value on the host).
     `cache.reserve_(T + new_tokens)` before compiled decoding keeps DynamicCache's graph count (a growth inside a
@@ -200,16 +211,23 @@ class PositionedCache(PositionedKV, Cache):
 
     def __init__(self, specs: Sequence[RopeSpec], raw_dtype: torch.dtype | None = None, origin: Any = None,
                  model_id: str | None = None, offloading: bool = False, storage: str = "rotated",
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, read: str = "auto") -> None:
         """Prefer `from_model(model)`: it reads the specs and binds the cache to that model (origin).
 
         offloading: keep every layer but the one computing on CPU (transformers' offloading=True; on a CPU-only
-        machine it moves nothing). Position operations bring every layer back first. storage, capacity: see the
-        class."""
+        machine it moves nothing). Position operations bring every layer back first. storage, capacity, read: see
+        the class."""
         PositionedKV.__init__(self, specs, raw_dtype, origin, storage, capacity)
         Cache.__init__(self, layers=self.layers)
         if not isinstance(offloading, bool):
             fail("PositionedCache offloading", "a bool", type(offloading).__name__, exc=TypeError)
+        if read not in READS:
+            fail("PositionedCache read", " or ".join(repr(r) for r in READS), repr(read))
+        if read == "fused" and storage != "raw":
+            fail("PositionedCache read", "'auto' or 'torch' with storage='rotated' (only raw keys are read by the "
+                 "fused kernel)", repr(read), "pass storage='raw' with read='fused'")
+        self.read = read
+        self.read_counts = {"fused": 0, "torch": 0}     # storage="raw" decode layer reads, by path
         self.offloading = offloading
         self.model_id = model_id
         self._limited = any(s.max_exact_position is not None for s in self.specs)
@@ -219,7 +237,7 @@ class PositionedCache(PositionedKV, Cache):
 
     def empty_like(self) -> "PositionedCache":
         return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage,
-                          self.capacity)
+                          self.capacity, self.read)
 
     def __iter__(self):
         """Per layer (rotated keys [B, H, T, D], values, None): what DynamicCache yields, so that
@@ -241,14 +259,24 @@ class PositionedCache(PositionedKV, Cache):
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, raw_dtype: torch.dtype | None = None,
-                   angle_dtype: torch.dtype = torch.float32, storage: str = "rotated", capacity: int | None = None
-                   ) -> "PositionedCache":
+                   angle_dtype: torch.dtype = torch.float32, storage: str = "rotated", capacity: int | None = None,
+                   read: str = "auto") -> "PositionedCache":
         """Build an empty cache for `model` (one RopeSpec per layer; refuses models it cannot serve exactly).
-        capacity: a fixed capacity in slots (see the class), for compiled decoding with static shapes."""
+        capacity: a fixed capacity in slots (see the class), for compiled decoding with static shapes.
+        storage="raw" with read "auto" / "fused" switches an SDPA model to the "kvpos" attention (SDPA itself for
+        ordinary keys), which runs the fused raw-key kernel on decode steps."""
         specs = rope_specs_from_model(model, angle_dtype=angle_dtype)
         origin = _install_forward_hook(model)
-        return cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
-                   storage=storage, capacity=capacity)
+        out = cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
+                  storage=storage, capacity=capacity, read=read)
+        if storage == "raw" and read != "torch":
+            impl = getattr(model.config, "_attn_implementation", None)
+            if impl in ("sdpa", "kvpos"):
+                switch_to_kvpos(model)
+            elif read == "fused":
+                fail("PositionedCache.from_model(read='fused') model", "attn_implementation 'sdpa' (switched to "
+                     "'kvpos', whose attention reads raw keys)", repr(impl), "load it with attn_implementation='sdpa'")
+        return out
 
     @classmethod
     def from_dynamic(cls, model: torch.nn.Module, cache: Cache, positions: Any = None,
@@ -285,10 +313,45 @@ class PositionedCache(PositionedKV, Cache):
             pos = fw.pos                                     # a later layer of the running forward
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
+        if self.storage == "raw" and self.read != "torch" and S == 1 and self._overwrite is None:
+            return self._update_raw_read(layer_idx, key_states, value_states, pos)
         out = self.write_rotated_(layer_idx, key_states, value_states, pos)
         if self.offloading and layer_idx > 0:
             self.layers[layer_idx - 1].offload()          # attention of layer_idx - 1 is done: its KV can leave
         return out
+
+    def _why_not_raw_read(self, k: torch.Tensor) -> str | None:
+        """Why a decode step of storage="raw" cannot hand raw keys to the fused reader, or None."""
+        if not rope_kernel_available():
+            return f"the C kernels are not built ({kernel_status()})"
+        model = self.origin() if self.origin is not None else None
+        if model is None or not uses_kvpos_attention(model):
+            return "the model's attention is not 'kvpos' (build the cache with from_model on an SDPA model)"
+        if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16):
+            return f"keys {k.dtype} on {k.device.type} (the kernel reads fp32 / bf16 on CPU)"
+        if self.raw_dtype not in (None, k.dtype):
+            return f"raw_dtype {self.raw_dtype} differs from the keys' {k.dtype}"
+        if k.shape[-1] > 256:
+            return f"head_dim {k.shape[-1]} > 256"
+        return None
+
+    def _update_raw_read(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of storage="raw": store the token and hand the layer's raw keys to the "kvpos" attention,
+        which rotates them on read (fused kernel); where that reader is not in place, rotate into a buffer
+        (read="auto") or refuse before writing anything (read="fused")."""
+        why = self._why_not_raw_read(k)
+        if why is not None:
+            if self.read == "fused":
+                fail(f"PositionedCache(read='fused') layer {layer_idx}", "a decode step the fused raw-key kernel "
+                     "serves", why, "use read='auto'")
+            self.read_counts["torch"] += 1
+            return self.write_rotated_(layer_idx, k, v, pos)
+        n0 = self.layers[layer_idx].n
+        keys, values = self.write_rotated_(layer_idx, k, v, pos, hand_raw=True)
+        hand_raw_keys(RawRead(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self._handout,
+                              self.read == "fused"))
+        return keys, values
 
     def _update_traced(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict
                        ) -> tuple[torch.Tensor, torch.Tensor]:
