@@ -90,7 +90,8 @@ def main() -> None:
                     help="also time kvpos_seq_attn<r>: the question's attention picks r of the chunk tokens to re-encode")
     ap.add_argument("--single-message", action="store_true",
                     help="all passages in one user message (default: one user message per passage)")
-    ap.add_argument("--only", nargs="*", default=None, help="time only these methods (full and prefix_cache always)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="time only these methods (full, prefix_cache and the --redis rows always)")
     ap.add_argument("--redis", nargs="*", default=None, choices=list(SCHEMES),
                     help="also time kvpos_seq with chunks fetched from Redis, per store scheme (default: all)")
     ap.add_argument("--model", default=None)
@@ -128,7 +129,8 @@ def run(a, redis_port: int | None) -> None:
                 port=redis_port, prefix=f"ttft-{scheme}:", scheme=scheme))
             methods.append(f"kvpos_seq_redis_{scheme}")
     if a.only is not None:
-        methods = [m for m in methods if m in ("full", "prefix_cache") or m in a.only]
+        methods = [m for m in methods if m in ("full", "prefix_cache") or m in a.only
+                   or m.startswith("kvpos_seq_redis_")]
     rows = []
     for cfg in a.configs:
         ctx, n_chunks = (int(x) for x in cfg.split(":"))
