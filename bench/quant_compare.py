@@ -41,22 +41,11 @@ from kvpos.integrations.hf import load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.integrations.rag import ChatPromptBuilder
 from kvpos.rope import rotate, unrotate
-from kvpos.store import ChunkKV, dequantize_int4, dequantize_int8, model_fingerprint, quantize_int4, quantize_int8, \
-    serialize
+from kvpos.store import ChunkKV, model_fingerprint, serialize
+from rag_eval import _quantized_round_trip
 
 KVPOS = ("kvpos-int8", "kvpos-int4", "post-int8", "post-int4")
 PEERS = {"hqq-int8": ("hqq", 8), "hqq-int4": ("hqq", 4), "quanto-int4": ("quanto", 4)}
-
-
-def _round_trip(k: torch.Tensor, v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [L, H, S, D] through the store's int8 / int4 quantizer and back (float32)."""
-    if bits == 8:
-        q = quantize_int8(k, v)
-        return (dequantize_int8(q["keys"], q["keys_scale"], torch.float32),
-                dequantize_int8(q["values"], q["values_scale"], torch.float32))
-    q = quantize_int4(k, v)
-    return (dequantize_int4(q["keys"], q["keys_scale"], q["keys_min"], 2, torch.float32),
-            dequantize_int4(q["values"], q["values_scale"], q["values_min"], 3, torch.float32))
 
 
 def quantized_context(ref: DynamicCache, specs, bounds: list[int], method: str, model) -> DynamicCache:
@@ -72,7 +61,7 @@ def quantized_context(ref: DynamicCache, specs, bounds: list[int], method: str, 
         k = torch.stack([unrotate(k[i, None], pos, s)[0] for i, s in enumerate(specs)])
     ks, vs = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        qk, qv = _round_trip(k[:, :, a:b], v[:, :, a:b], bits)
+        qk, qv = _quantized_round_trip(k[:, :, a:b], v[:, :, a:b], bits)
         ks.append(qk)
         vs.append(qv)
     k, v = torch.cat(ks, 2), torch.cat(vs, 2)
