@@ -189,3 +189,67 @@ def test_auto_where_the_kernel_declines_uses_the_buffer_path(monkeypatch):
         b = model(torch.tensor([[9]]), cache=ref, use_cache=True).logits
     assert c.read_counts["torch"] == model.config.num_hidden_layers and ref.read_counts["fused"] > 0
     assert (a - b).abs().max() < 1e-4
+
+
+# random sequences: the fused reader against the default storage after any mix of position operations and forwards
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_OPS = st.one_of(
+    st.tuples(st.just("shift"), st.integers(0, 30), st.integers(0, 30), st.integers(-20, 200)),
+    st.tuples(st.just("delete"), st.integers(0, 30), st.integers(0, 30), st.booleans()),
+    st.tuples(st.just("hide"), st.integers(0, 30), st.integers(0, 30), st.booleans()),
+    st.tuples(st.just("set"), st.integers(0, 30), st.integers(1, 4), st.integers(0, 500)),
+    st.tuples(st.just("decode"), st.integers(0, 10 ** 6), st.just(0), st.just(0)),
+    st.tuples(st.just("extend"), st.integers(0, 10 ** 6), st.integers(2, 3), st.just(0)),
+)
+
+
+def _apply(cache, op, model, ids_seed):
+    """One step of a random sequence on `cache`; a forward returns the last logits [B, V], else None."""
+    from kvpos.integrations.hf import extend
+
+    name, a, b, c = op
+    if name == "shift":
+        cache.shift_(min(a, b), max(a, b), c)
+    elif name == "delete":
+        cache.delete_(min(a, b), max(a, b), close_gap=c)
+    elif name == "hide":
+        (cache.hide_ if c else cache.unhide_)(min(a, b), max(a, b))
+    elif name == "set":
+        cache.set_positions_(a, a + b, torch.arange(c, c + b))
+    else:
+        S = 1 if name == "decode" else b
+        ids = torch.randint(3, 120, (2, S), generator=torch.Generator().manual_seed(ids_seed))
+        with torch.no_grad():
+            return extend(model, cache, ids)[:, -1]
+    return None
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arch=st.sampled_from(["llama", "gemma3", "glm"]), seq=st.lists(_OPS, min_size=1, max_size=10),
+       seed=st.integers(0, 2 ** 16))
+def test_random_sequences_fused_reads_equal_the_default_storage(arch, seq, seed):
+    from kvpos.integrations.hf import extend
+
+    model = tiny_model(arch, num_hidden_layers=2)[0]
+    prompt = torch.randint(3, 120, (2, 20), generator=torch.Generator().manual_seed(seed))
+    caches = {s: PositionedCache.from_model(model, storage=s) for s in ("rotated", "raw")}
+    for c in caches.values():
+        with torch.no_grad():
+            extend(model, c, prompt)
+    decodes = 0
+    for i, op in enumerate(seq):
+        for step in (op, ("decode", seed + 7 * i, 0, 0)):        # every operation is followed by a decode step
+            out, errs = {}, {}
+            for s, c in caches.items():
+                try:
+                    out[s] = _apply(c, step, model, step[1] if step[0] in ("decode", "extend") else 0)
+                except ValueError as e:
+                    errs[s] = str(e)
+            assert set(errs) in ({"rotated", "raw"}, set()), (step, errs)      # both refuse, or neither
+            if errs or out["raw"] is None:
+                continue
+            decodes += step[0] == "decode"
+            assert (out["raw"] - out["rotated"]).abs().max() < 1e-4, (op, step)
+            assert torch.equal(caches["raw"].positions, caches["rotated"].positions)
+    assert decodes >= 1 and caches["raw"].read_counts["fused"] == 2 * decodes
