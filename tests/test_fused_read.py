@@ -253,3 +253,24 @@ def test_random_sequences_fused_reads_equal_the_default_storage(arch, seq, seed)
             assert (out["raw"] - out["rotated"]).abs().max() < 1e-4, (op, step)
             assert torch.equal(caches["raw"].positions, caches["rotated"].positions)
     assert decodes >= 1 and caches["raw"].read_counts["fused"] == 2 * decodes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_bf16_decode_step_is_as_close_to_dynamic_cache_as_the_buffer_path(arch):
+    """bf16: raw keys are rounded once more than DynamicCache's rotated ones (either read path), so logits differ at
+    bf16 rounding; the fused reader (float32 inside) must be no farther from DynamicCache than the buffer path."""
+    model, cfg = tiny_model(arch, dtype=torch.bfloat16)
+    worst = {"auto": 0.0, "torch": 0.0}
+    for seed in range(4):
+        ids = torch.randint(5, cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            d = DynamicCache(config=cfg)
+            model(ids, cache=d, use_cache=True)
+            ref = model(torch.tensor([[7]]), cache=d, use_cache=True).logits[0, -1].float()
+            for read in worst:
+                c = PositionedCache.from_model(model, storage="raw", read=read)
+                model(ids, cache=c, use_cache=True)
+                got = model(torch.tensor([[7]]), cache=c, use_cache=True).logits[0, -1].float()
+                worst[read] = max(worst[read], float((got - ref).abs().max()))
+                assert c.read_counts["fused"] == (cfg.num_hidden_layers if read == "auto" else 0)
+    assert worst["auto"] <= 0.1 and worst["auto"] <= worst["torch"] + 0.01, worst
