@@ -211,18 +211,18 @@ static inline __m256 exp8_nonpos(__m256 x) {
         }                                                                                                      \
     }
 
-#define SCORES_AVX2(LD8)                                                                                       \
+#define SCORES_AVX2(LD8, GC)                                                                                   \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
         const T *kj = kr + j * D;                                                                              \
         const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
         __m256 acc[KV_MAXG];                                                                                   \
-        for (int64_t g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();                                          \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
         for (int64_t i = 0; i < h2; i += 8) {                                                                  \
             const __m256 a = LD8(kj + i), e = LD8(kj + i + h2);                                                \
             const __m256 c = _mm256_loadu_ps(cj + i), n = _mm256_loadu_ps(nj + i);                             \
             const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                      \
             const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                      \
-            for (int64_t g = 0; g < G; g++) {                                                                  \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
                 const float *qg = qh + g * D;                                                                  \
                 acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), ra, acc[g]);                                 \
                 acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + h2), rb, acc[g]);                            \
@@ -230,15 +230,48 @@ static inline __m256 exp8_nonpos(__m256 x) {
         }                                                                                                      \
         for (int64_t i = R; i < D; i += 8) {                                                                   \
             const __m256 x = LD8(kj + i);                                                                      \
-            for (int64_t g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]); \
+            for (int64_t g = 0; g < (GC); g++)                                                                 \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]);                         \
         }                                                                                                      \
         const float add = mrow ? mrow[j] : 0.0f;                                                               \
-        for (int64_t g = 0; g < G; g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                           \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                        \
+    }
+
+/* V accumulation, 32 dims at a time in registers: acc[g][d0..d0+32) += p[g][j] * v[j][d0..d0+32) */
+#define VACC_AVX2(LD8, GC)                                                                                     \
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                                  \
+        __m256 a[KV_MAXG][4];                                                                                  \
+        for (int64_t g = 0; g < (GC); g++)                                                                     \
+            for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();                                         \
+        for (int64_t j = 0; j < nj; j++) {                                                                     \
+            const T *vj = vr + (j0 + j) * D + d0;                                                              \
+            const __m256 x0 = LD8(vj), x1 = LD8(vj + 8), x2 = LD8(vj + 16), x3 = LD8(vj + 24);                 \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                const __m256 p = _mm256_set1_ps(sc[g][j]);                                                     \
+                a[g][0] = _mm256_fmadd_ps(p, x0, a[g][0]);                                                     \
+                a[g][1] = _mm256_fmadd_ps(p, x1, a[g][1]);                                                     \
+                a[g][2] = _mm256_fmadd_ps(p, x2, a[g][2]);                                                     \
+                a[g][3] = _mm256_fmadd_ps(p, x3, a[g][3]);                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t g = 0; g < (GC); g++)                                                                     \
+            for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc[g] + d0 + 8 * u, a[g][u]);                       \
+    }
+
+/* the G-specialised forms (G a compile-time constant keeps the accumulators in registers) */
+#define BY_G(MACRO, LD8)                                                                                       \
+    switch (G) {                                                                                               \
+        case 1: MACRO(LD8, 1) break;                                                                           \
+        case 2: MACRO(LD8, 2) break;                                                                           \
+        case 3: MACRO(LD8, 3) break;                                                                           \
+        case 4: MACRO(LD8, 4) break;                                                                           \
+        default: MACRO(LD8, G) break;                                                                          \
     }
 
 #define DECODE_BODY(LOAD, LD8)                                                                                 \
     const int64_t h2 = R / 2, nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                     \
     const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
+    const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
     for (int64_t idx = 0; idx < total; idx++) {                                                               \
         const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
@@ -263,8 +296,9 @@ static inline __m256 exp8_nonpos(__m256 x) {
             }                                                                                                  \
             wk[g * (D + 2)] = m;                                                                               \
             wk[g * (D + 2) + 1] = l;                                                                           \
-            for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;                                                  \
+            if (!vecv) for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;                                       \
         }                                                                                                      \
+        if (vecv) { KV_VACC_VEC(LD8) } else {                                                                \
         for (int64_t j = 0; j < nj; j++) {                 /* each value row read once, for every query */     \
             const T *vj = vr + (j0 + j) * D;                                                                   \
             float vx[256];                                                                                     \
@@ -274,7 +308,7 @@ static inline __m256 exp8_nonpos(__m256 x) {
                 _Pragma("GCC ivdep")                                                                           \
                 for (int64_t i = 0; i < D; i++) acc[g][i] += p * vx[i];                                        \
             }                                                                                                  \
-        }                                                                                                      \
+        } }                                                                                                    \
         for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
     }                                                                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
@@ -298,12 +332,14 @@ static inline __m256 exp8_nonpos(__m256 x) {
     }
 
 #if KV_AVX2
-#define KV_SCORES_VEC(LD8) SCORES_AVX2(LD8)
+#define KV_SCORES_VEC(LD8) BY_G(SCORES_AVX2, LD8)
+#define KV_VACC_VEC(LD8) BY_G(VACC_AVX2, LD8)
 #define KV_EXP_VEC                                                                                             \
     for (; j + 8 <= nj; j += 8)                                                                                \
         _mm256_storeu_ps(sc[g] + j, exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + j), _mm256_set1_ps(m))));
 #else
 #define KV_SCORES_VEC(LD8)
+#define KV_VACC_VEC(LD8)
 #define KV_EXP_VEC
 #endif
 
