@@ -149,7 +149,8 @@ void kvpos_score_int8(const float *q, const int8_t *kt, const float *scale, floa
    Work item = (row, kv head, chunk of KV_CHUNK slots): scores of the G queries against the chunk's keys (each key
    rotated once, in registers), the chunk's softmax partials (max, sum, V accumulation); a second loop merges the
    chunks (split-K, so that 2 threads stay busy with 3 kv heads). Rows every key of which is masked give 0.
-   AVX2 path: half layout with R/2 and D - R multiples of 8 (scores, exp); otherwise plain C (same formulas). */
+   AVX2 paths: scores and exp for the half layout with R/2 and D - R multiples of 8, the value sums for D a multiple
+   of 32 (accumulators in registers; G up to 4 compiled as constants); otherwise plain C (same formulas). */
 #define KV_CHUNK 128
 #define KV_MAXG 16
 

@@ -29,6 +29,8 @@ def _spec(D, R, layout, scaling):
     (2, 1, 1, 7, 32, 32, RopeLayout.HALF, torch.bfloat16, 1.0),          # fewer keys than one vector, bf16
     (1, 4, 2, 129, 128, 64, RopeLayout.HALF, torch.float32, 1.0),         # pass-through dims, chunk edge
     (1, 2, 2, 40, 16, 8, RopeLayout.HALF, torch.float32, 1.0),            # R/2 = 4: plain-C path
+    (1, 2, 6, 200, 64, 64, RopeLayout.HALF, torch.float32, 1.0),          # G = 6: the run-time-G vector loops
+    (1, 1, 16, 50, 32, 32, RopeLayout.HALF, torch.bfloat16, 1.0),         # G = 16, the most the kernel takes
 ])
 @pytest.mark.parametrize("masked", [False, True])
 def test_kernel_equals_the_float64_reference(B, Hkv, G, N, D, R, layout, dtype, scaling, masked):
