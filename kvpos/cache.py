@@ -393,7 +393,7 @@ class _ReadState:
     forward so that nothing beyond the raw keys and values stays resident."""
 
     n: int
-    cs: dict = field(default_factory=dict)        # id(spec) -> (cos, sin) [B, 1, n, R/2]
+    cs: dict = field(default_factory=dict)        # id(spec) -> (cos, sin) [B, 1, n, R/2]; ("scaled", id) [B, n, R/2]
     scratch: dict = field(default_factory=dict)   # (B, H, D, dtype, device) -> [B, H, n, D]
 
     def cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,6 +401,19 @@ class _ReadState:
         if cs is None:
             cos, sin = cos_sin(pos[:, : self.n], spec, device=device)
             cs = self.cs[id(spec)] = (cos[:, None], sin[:, None])
+        return cs
+
+    def scaled_cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, n, R/2] multiplied by the spec's attention scaling: what a fused reader takes (once per
+        spec and forward, shared by its layers)."""
+        key = ("scaled", id(spec))
+        cs = self.cs.get(key)
+        if cs is None:
+            cos, sin = self.cos_sin(spec, pos, device)
+            s = spec.attention_scaling
+            cos, sin = cos[:, 0], sin[:, 0]
+            cs = self.cs[key] = (cos * s, sin * s) if s != 1.0 else (cos, sin)
         return cs
 
     def buffer(self, layer: "SlotLayer") -> torch.Tensor:
@@ -573,11 +586,7 @@ class PositionedKV:
             fail(f"raw_read layer {index}", "an allocated layer with storage='raw'",
                  f"storage={l.storage!r}, allocated={l.allocated}")
         st = self._read_state() if state is None or state.n != l.n else state
-        cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
-        s = l.spec.attention_scaling
-        cos, sin = cos[:, 0, : l.n], sin[:, 0, : l.n]
-        if s != 1.0:
-            cos, sin = cos * s, sin * s
+        cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.raw_k.device)
         return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
 
     def _drop_tail_(self, n0: int) -> None:
