@@ -276,3 +276,22 @@ def test_bf16_decode_step_is_as_close_to_dynamic_cache_as_the_buffer_path(arch):
                 worst[read] = max(worst[read], float((got - ref).abs().max()))
                 assert c.read_counts["fused"] == (cfg.num_hidden_layers if read == "auto" else 0)
     assert worst["auto"] <= 0.1 and worst["auto"] <= worst["torch"] + 0.01, worst
+
+
+def test_fused_decode_with_offloading_keeps_offloading_layers():
+    """offloading=True: a fused decode step still hands each finished layer to `offload()` (the update's raw path
+    must not skip it), and the tokens equal DynamicCache's."""
+    model, cfg = tiny_model("llama")
+    ids, am = _prompt(cfg)
+    c = PositionedCache.from_model(model, storage="raw")
+    c.offloading = True
+    calls = []
+    for l in c.layers:
+        l.offload = (lambda f, i: (lambda: (calls.append(i), f())[1]))(l.offload, l.index)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=am, cache=c, max_new_tokens=4, do_sample=False)
+        ref = model.generate(ids, attention_mask=am, cache=DynamicCache(config=cfg), max_new_tokens=4,
+                             do_sample=False)
+    assert torch.equal(got, ref)
+    assert c.read_counts["fused"] == 3 * cfg.num_hidden_layers
+    assert calls.count(0) == 4                     # layer 0 offloaded after layer 1 wrote, in each of the 4 forwards

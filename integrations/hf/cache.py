@@ -314,8 +314,9 @@ class PositionedCache(PositionedKV, Cache):
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
         if self.storage == "raw" and self.read != "torch" and S == 1 and self._overwrite is None:
-            return self._update_raw_read(layer_idx, key_states, value_states, pos)
-        out = self.write_rotated_(layer_idx, key_states, value_states, pos)
+            out = self._update_raw_read(layer_idx, key_states, value_states, pos)
+        else:
+            out = self.write_rotated_(layer_idx, key_states, value_states, pos)
         if self.offloading and layer_idx > 0:
             self.layers[layer_idx - 1].offload()          # attention of layer_idx - 1 is done: its KV can leave
         return out
