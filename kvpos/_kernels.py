@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "score_int8_kernel",
+__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "decode_q8_kernel", "score_int8_kernel",
            "topk_indices", "transpose_int8_blocks"]
 
 _SRC = r"""
@@ -191,18 +191,17 @@ static inline __m256 exp8_nonpos(__m256 x) {
 #endif
 
 /* scores sc[g][j - j0] of the G queries against keys j0..j1-1, rotated on the fly */
-#define SCORES_SCALAR(LOAD)                                                                                    \
+#define SCORES_SCALAR_ANY(FILL, LOAD)                                                                          \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
-        const T *kj = kr + j * D;                                                                              \
         const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
-        float kx[256];                                                                                         \
+        float kf[256], kx[256];                                                                                \
+        FILL(LOAD)                                                                                             \
         for (int64_t i = 0; i < h2; i++) {                                                                     \
             const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;                \
-            const float a = LOAD(kj[ia]), e = LOAD(kj[ie]);                                                    \
-            kx[ia] = a * cj[i] - e * nj[i];                                                                    \
-            kx[ie] = e * cj[i] + a * nj[i];                                                                    \
+            kx[ia] = kf[ia] * cj[i] - kf[ie] * nj[i];                                                          \
+            kx[ie] = kf[ie] * cj[i] + kf[ia] * nj[i];                                                          \
         }                                                                                                      \
-        for (int64_t i = R; i < D; i++) kx[i] = LOAD(kj[i]);                                                   \
+        for (int64_t i = R; i < D; i++) kx[i] = kf[i];                                                         \
         const float add = mrow ? mrow[j] : 0.0f;                                                               \
         for (int64_t g = 0; g < G; g++) {                                                                      \
             const float *qg = qh + g * D;                                                                      \
@@ -211,15 +210,17 @@ static inline __m256 exp8_nonpos(__m256 x) {
             sc[g][j - j0] = dot * scale + add;                                                                 \
         }                                                                                                      \
     }
+#define RAW_FILL(LOAD) { const T *kj = kr + j * D; for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kj[i]); }
+#define SCORES_SCALAR(LOAD) SCORES_SCALAR_ANY(RAW_FILL, LOAD)
 
-#define SCORES_AVX2(LD8, GC)                                                                                   \
+#define SCORES_AVX2_ANY(PRE, KEY8, LD8, GC)                                                                     \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
-        const T *kj = kr + j * D;                                                                              \
+        PRE                                                                                                    \
         const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
         __m256 acc[KV_MAXG];                                                                                   \
         for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
         for (int64_t i = 0; i < h2; i += 8) {                                                                  \
-            const __m256 a = LD8(kj + i), e = LD8(kj + i + h2);                                                \
+            const __m256 a = KEY8(LD8, i), e = KEY8(LD8, i + h2);                                              \
             const __m256 c = _mm256_loadu_ps(cj + i), n = _mm256_loadu_ps(nj + i);                             \
             const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                      \
             const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                      \
@@ -230,23 +231,26 @@ static inline __m256 exp8_nonpos(__m256 x) {
             }                                                                                                  \
         }                                                                                                      \
         for (int64_t i = R; i < D; i += 8) {                                                                   \
-            const __m256 x = LD8(kj + i);                                                                      \
+            const __m256 x = KEY8(LD8, i);                                                                     \
             for (int64_t g = 0; g < (GC); g++)                                                                 \
                 acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]);                         \
         }                                                                                                      \
         const float add = mrow ? mrow[j] : 0.0f;                                                               \
         for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                        \
     }
+#define RAW_PRE const T *kj = kr + j * D;
+#define RAW_KEY8(LD8, o) LD8(kj + (o))
+#define SCORES_AVX2(LD8, GC) SCORES_AVX2_ANY(RAW_PRE, RAW_KEY8, LD8, GC)
 
 /* V accumulation, 32 dims at a time in registers: acc[g][d0..d0+32) += p[g][j] * v[j][d0..d0+32) */
-#define VACC_AVX2(LD8, GC)                                                                                     \
+#define VACC_AVX2_ANY(VT, VLD8, GC)                                                                            \
     for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                                  \
         __m256 a[KV_MAXG][4];                                                                                  \
         for (int64_t g = 0; g < (GC); g++)                                                                     \
             for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();                                         \
         for (int64_t j = 0; j < nj; j++) {                                                                     \
-            const T *vj = vr + (j0 + j) * D + d0;                                                              \
-            const __m256 x0 = LD8(vj), x1 = LD8(vj + 8), x2 = LD8(vj + 16), x3 = LD8(vj + 24);                 \
+            const VT *vj = vr + (j0 + j) * D + d0;                                                             \
+            const __m256 x0 = VLD8(vj), x1 = VLD8(vj + 8), x2 = VLD8(vj + 16), x3 = VLD8(vj + 24);             \
             for (int64_t g = 0; g < (GC); g++) {                                                               \
                 const __m256 p = _mm256_set1_ps(sc[g][j]);                                                     \
                 a[g][0] = _mm256_fmadd_ps(p, x0, a[g][0]);                                                     \
@@ -258,6 +262,7 @@ static inline __m256 exp8_nonpos(__m256 x) {
         for (int64_t g = 0; g < (GC); g++)                                                                     \
             for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc[g] + d0 + 8 * u, a[g][u]);                       \
     }
+#define VACC_AVX2(LD8, GC) VACC_AVX2_ANY(T, LD8, GC)
 
 /* the G-specialised forms (G a compile-time constant keeps the accumulators in registers) */
 #define BY_G(MACRO, LD8)                                                                                       \
@@ -269,20 +274,9 @@ static inline __m256 exp8_nonpos(__m256 x) {
         default: MACRO(LD8, G) break;                                                                          \
     }
 
-#define DECODE_BODY(LOAD, LD8)                                                                                 \
-    const int64_t h2 = R / 2, nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                     \
-    const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
-    const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
-    for (int64_t idx = 0; idx < total; idx++) {                                                               \
-        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
-        const int64_t j0 = c * KV_CHUNK, j1 = j0 + KV_CHUNK < N ? j0 + KV_CHUNK : N, nj = j1 - j0;            \
-        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
-        const T *kr = k + b * kb + h * kh, *vr = v + b * vb + h * vh;                                         \
-        const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
-        const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
-        float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
-        if (vec) { KV_SCORES_VEC(LD8) } else { SCORES_SCALAR(LOAD) }                                           \
+/* softmax partials of one chunk per query g: sc <- exp(sc - m), wk <- (m, l); WEIGHT then rescales sc by value
+   (after l is summed); the value accumulators start at 0 */
+#define CHUNK_SOFTMAX(WEIGHT, LOAD)                                                                            \
         float *wk = work + idx * G * (D + 2);                                                                  \
         for (int64_t g = 0; g < G; g++) {                                                                      \
             float m = -INFINITY, l = 0.0f;                                                                     \
@@ -294,24 +288,17 @@ static inline __m256 exp8_nonpos(__m256 x) {
                 KV_EXP_VEC                                                                                     \
                 for (; j < nj; j++) sc[g][j] = expf(sc[g][j] - m);                                             \
                 for (j = 0; j < nj; j++) l += sc[g][j];                                                        \
+                WEIGHT(LOAD)                                                                                   \
             }                                                                                                  \
             wk[g * (D + 2)] = m;                                                                               \
             wk[g * (D + 2) + 1] = l;                                                                           \
             if (!vecv) for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;                                       \
-        }                                                                                                      \
-        if (vecv) { KV_VACC_VEC(LD8) } else {                                                                \
-        for (int64_t j = 0; j < nj; j++) {                 /* each value row read once, for every query */     \
-            const T *vj = vr + (j0 + j) * D;                                                                   \
-            float vx[256];                                                                                     \
-            for (int64_t i = 0; i < D; i++) vx[i] = LOAD(vj[i]);                                               \
-            for (int64_t g = 0; g < G; g++) {                                                                  \
-                const float p = sc[g][j];                                                                      \
-                _Pragma("GCC ivdep")                                                                           \
-                for (int64_t i = 0; i < D; i++) acc[g][i] += p * vx[i];                                        \
-            }                                                                                                  \
-        } }                                                                                                    \
-        for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
-    }                                                                                                          \
+        }
+#define NO_WEIGHT(LOAD)
+#define Q8_VALUE_SCALES(LOAD) if (!tail) for (j = 0; j < nj; j++) sc[g][j] *= LOAD(vsr[j0 + j]);
+
+/* merge the chunks of each query row (split-K): out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c */
+#define DECODE_MERGE                                                                                           \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
     for (int64_t r = 0; r < B * Hkv * G; r++) {                                                               \
         const int64_t g = r % G, bh = r / G;                                                                  \
@@ -332,6 +319,36 @@ static inline __m256 exp8_nonpos(__m256 x) {
         for (int64_t i = 0; i < D; i++) o[i] /= L;                                                             \
     }
 
+#define DECODE_BODY(LOAD, LD8)                                                                                 \
+    const int64_t h2 = R / 2, nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                     \
+    const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
+    const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t idx = 0; idx < total; idx++) {                                                               \
+        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
+        const int64_t j0 = c * KV_CHUNK, j1 = j0 + KV_CHUNK < N ? j0 + KV_CHUNK : N, nj = j1 - j0;            \
+        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
+        const T *kr = k + b * kb + h * kh, *vr = v + b * vb + h * vh;                                         \
+        const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
+        const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
+        float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
+        if (vec) { KV_SCORES_VEC(LD8) } else { SCORES_SCALAR(LOAD) }                                           \
+        CHUNK_SOFTMAX(NO_WEIGHT, LOAD)                                                                         \
+        if (vecv) { KV_VACC_VEC(LD8) } else {                                                                \
+        for (int64_t j = 0; j < nj; j++) {                 /* each value row read once, for every query */     \
+            const T *vj = vr + (j0 + j) * D;                                                                   \
+            float vx[256];                                                                                     \
+            for (int64_t i = 0; i < D; i++) vx[i] = LOAD(vj[i]);                                               \
+            for (int64_t g = 0; g < G; g++) {                                                                  \
+                const float p = sc[g][j];                                                                      \
+                _Pragma("GCC ivdep")                                                                           \
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * vx[i];                                        \
+            }                                                                                                  \
+        } }                                                                                                    \
+        for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
+    }                                                                                                          \
+    DECODE_MERGE
+
 #if KV_AVX2
 #define KV_SCORES_VEC(LD8) BY_G(SCORES_AVX2, LD8)
 #define KV_VACC_VEC(LD8) BY_G(VACC_AVX2, LD8)
@@ -350,6 +367,89 @@ static inline __m256 exp8_nonpos(__m256 x) {
                     float scale, int layout, int nthreads
 void kvpos_decode_raw_f32(DECODE_ARGS) { typedef float T; const T *k = kp, *v = vp; DECODE_BODY(IDENT, ld8_f32) }
 void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *v = vp; DECODE_BODY(bf16_load, ld8_bf16) }
+
+/* Decode attention over int8 keys and values (storage="int8"): like kvpos_decode_raw_*, with each key dequantized in
+   registers before its rotation: sealed slots j < Q are codes kc[j] * their group's scale row ks[rows[j]], slots
+   j >= Q are the unquantized tail kt[j - Q]; values are codes vc[j] * vs[j] (the per-token scale is folded into
+   the softmax weight), the tail's vt[j - Q] (kt and vt share strides). T is the scales' (and tail's) type. The tail gets its own chunks, so a chunk reads one kind. */
+#if KV_AVX2
+static inline __m256 ld8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#define Q8_KEY8(LD8, o) (tail ? LD8(tj + (o)) : _mm256_mul_ps(ld8_i8(kj + (o)), LD8(sj + (o))))
+#define Q8_PRE                                                                                                 \
+        const int8_t *kj = kr + j * D;                                                                         \
+        const T *sj = tail ? sr : sr + (int64_t)rows[j] * sD, *tj = tail ? tr + (j - Q) * D : tr;
+#define Q8_SCORES_AVX2(LD8, GC) SCORES_AVX2_ANY(Q8_PRE, Q8_KEY8, LD8, GC)
+#define Q8_VACC_AVX2(LD8, GC) VACC_AVX2_ANY(int8_t, ld8_i8, GC)
+#define Q8_SCORES_VEC(LD8) BY_G(Q8_SCORES_AVX2, LD8)
+#define Q8_VACC_VEC(LD8) BY_G(Q8_VACC_AVX2, LD8)
+#else
+#define Q8_SCORES_VEC(LD8)
+#define Q8_VACC_VEC(LD8)
+#endif
+
+#define Q8_FILL(LOAD)                                                                                          \
+        if (tail) { const T *tj = tr + (j - Q) * D; for (int64_t i = 0; i < D; i++) kf[i] = LOAD(tj[i]); }     \
+        else {                                                                                                 \
+            const int8_t *kj = kr + j * D; const T *sj = sr + (int64_t)rows[j] * sD;                           \
+            for (int64_t i = 0; i < D; i++) kf[i] = (float)kj[i] * LOAD(sj[i]);                                \
+        }
+#define Q8_SCORES_SCALAR(LOAD) SCORES_SCALAR_ANY(Q8_FILL, LOAD)
+
+#define DECODE_Q8_BODY(LOAD, LD8)                                                                              \
+    const int64_t h2 = R / 2, ncq = (Q + KV_CHUNK - 1) / KV_CHUNK;                                           \
+    const int64_t nch = ncq + (N - Q + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                       \
+    const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
+    const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t idx = 0; idx < total; idx++) {                                                               \
+        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
+        const int tail = c >= ncq;                                                                             \
+        const int64_t j0 = tail ? Q + (c - ncq) * KV_CHUNK : c * KV_CHUNK;                                    \
+        const int64_t lim = tail ? N : Q, j1 = j0 + KV_CHUNK < lim ? j0 + KV_CHUNK : lim, nj = j1 - j0;       \
+        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
+        const int8_t *kr = kc + b * kb + h * kh, *vr = vc + b * vb + h * vh;                                  \
+        const T *sr = ks + b * sb + h * sh, *tr = kt + b * tb + h * th, *vsr = vs + b * vsb + h * vsh;        \
+        const T *vtr = vt + b * tb + h * th;                                                                   \
+        const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
+        const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
+        float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
+        if (vec) { Q8_SCORES_VEC(LD8) } else { Q8_SCORES_SCALAR(LOAD) }                                        \
+        CHUNK_SOFTMAX(Q8_VALUE_SCALES, LOAD)                                                                   \
+        if (tail) {                                           /* the tail's values are unquantized (vt) */     \
+            const int64_t jt = j0 - Q;                                                                         \
+            { const int64_t j0 = jt; const T *vr = vtr;                                                        \
+              if (vecv) { KV_VACC_VEC(LD8) } else {                                                            \
+              for (int64_t j = 0; j < nj; j++) {                                                               \
+                  const T *vj = vr + (j0 + j) * D;                                                             \
+                  for (int64_t g = 0; g < G; g++) {                                                            \
+                      const float p = sc[g][j];                                                                \
+                      for (int64_t i = 0; i < D; i++) acc[g][i] += p * LOAD(vj[i]);                            \
+                  }                                                                                            \
+              } } }                                                                                            \
+        } else if (vecv) { Q8_VACC_VEC(LD8) } else {                                                         \
+        for (int64_t j = 0; j < nj; j++) {                                                                     \
+            const int8_t *vj = vr + (j0 + j) * D;                                                              \
+            for (int64_t g = 0; g < G; g++) {                                                                  \
+                const float p = sc[g][j];                                                                      \
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * (float)vj[i];                                 \
+            }                                                                                                  \
+        } }                                                                                                    \
+        for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
+    }                                                                                                          \
+    DECODE_MERGE
+
+#define DECODE_Q8_ARGS const float *q, const int8_t *kc, const int32_t *rows, const void *ksp, const void *ktp,      \
+                       const int8_t *vc, const void *vsp, const void *vtp, const float *cs, const float *sn, const float *mask,       \
+                       float *out, float *work, int64_t B, int64_t Hkv, int64_t G, int64_t N, int64_t Q, int64_t D,  \
+                       int64_t R, int64_t Bc, int64_t Bm, int64_t kb, int64_t kh, int64_t sb, int64_t sh, int64_t sD, \
+                       int64_t tb, int64_t th, int64_t vb, int64_t vh, int64_t vsb, int64_t vsh, float scale,        \
+                       int layout, int nthreads
+void kvpos_decode_q8_f32(DECODE_Q8_ARGS) {
+    typedef float T; const T *ks = ksp, *kt = ktp, *vs = vsp, *vt = vtp; DECODE_Q8_BODY(IDENT, ld8_f32) }
+void kvpos_decode_q8_bf16(DECODE_Q8_ARGS) {
+    typedef uint16_t T; const T *ks = ksp, *kt = ktp, *vs = vsp, *vt = vtp; DECODE_Q8_BODY(bf16_load, ld8_bf16) }
 
 /* Indices of the k largest entries of each row of s [H, F] (unordered), by quickselect on a copy; out int64 [H, k].
    O(F) per row instead of a sort. */
@@ -430,6 +530,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     for name in ("kvpos_decode_raw_f32", "kvpos_decode_raw_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 8 + [i64] * 12 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = None
+    for name in ("kvpos_decode_q8_f32", "kvpos_decode_q8_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [vp] * 13 + [i64] * 20 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = None
     return lib, None
 
@@ -512,6 +616,29 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     return True
 
 
+def _decode_inputs(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                   shape: tuple[int, int, int, int], nch: int, rotary_dim: int) -> tuple | None:
+    """What both decode kernels take besides the cache, for keys of `shape` (B, Hkv, N, D) in `nch` chunks: (library,
+    q float32, cos, sin [B|1, N, R/2], additive mask [B|1, N] or None, output [B, Hq, D] float32, split-K work
+    space, G), or None where they cannot serve."""
+    B, Hkv, N, D = shape
+    Hq = q.shape[1]
+    if (q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0
+            or cos.dtype != torch.float32):
+        return None
+    h2 = rotary_dim // 2
+    cs, sn = cos.reshape(-1, N, h2).contiguous(), sin.reshape(-1, N, h2).contiguous()
+    m = None if mask is None else mask.reshape(-1, N).to(torch.float32).contiguous()
+    if cs.shape[0] not in (1, B) or (m is not None and m.shape[0] not in (1, B)):
+        return None
+    lib = _get()
+    if lib is None:
+        return None
+    G = Hq // Hkv
+    work = torch.empty(B * Hkv * nch * G * (D + 2), dtype=torch.float32)
+    return lib, q.to(torch.float32).contiguous(), cs, sn, m, torch.empty(q.shape, dtype=torch.float32), work, G
+
+
 def decode_raw_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       mask: torch.Tensor | None, scale: float, rotary_dim: int, interleaved: bool
                       ) -> torch.Tensor | None:
@@ -525,29 +652,57 @@ def decode_raw_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     if torch.compiler.is_compiling():
         return None
     B, Hkv, N, D = k.shape
-    Hq = q.shape[1]
     if (k.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
             or v.shape != k.shape or k.stride(3) != 1 or k.stride(2) != D or v.stride(3) != 1 or v.stride(2) != D
-            or q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or Hq % Hkv or Hq // Hkv > 16 or D > 256
-            or N == 0 or k.requires_grad or v.requires_grad or cos.dtype != torch.float32):
+            or k.requires_grad or v.requires_grad):
         return None
-    h2 = rotary_dim // 2
-    cs, sn = cos.reshape(-1, N, h2).contiguous(), sin.reshape(-1, N, h2).contiguous()
-    m = None if mask is None else mask.reshape(-1, N).to(torch.float32).contiguous()
-    if cs.shape[0] not in (1, B) or (m is not None and m.shape[0] not in (1, B)):
+    prep = _decode_inputs(q, cos, sin, mask, tuple(k.shape), (N + 127) // 128, rotary_dim)
+    if prep is None:
         return None
-    lib = _get()
-    if lib is None:
-        return None
-    G = Hq // Hkv
-    qc = q.to(torch.float32).contiguous()
-    out = torch.empty(B, Hq, D, dtype=torch.float32)
-    nch = (N + 127) // 128
-    work = torch.empty(B * Hkv * nch * G * (D + 2), dtype=torch.float32)
+    lib, qc, cs, sn, m, out, work, G = prep
     fn = lib.kvpos_decode_raw_f32 if k.dtype == torch.float32 else lib.kvpos_decode_raw_bf16
     fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), cs.data_ptr(), sn.data_ptr(), 0 if m is None else m.data_ptr(),
        out.data_ptr(), work.data_ptr(), B, Hkv, G, N, D, rotary_dim, cs.shape[0], 1 if m is None else m.shape[0],
        k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
+       max(1, torch.get_num_threads()))
+    return out
+
+
+def decode_q8_kernel(q: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor,
+                     nq: int, vcodes: torch.Tensor, vs: torch.Tensor, vt: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, mask: torch.Tensor | None, scale: float, rotary_dim: int, interleaved: bool
+                     ) -> torch.Tensor | None:
+    """`decode_raw_kernel` over int8 storage (`kvpos.cache.QuantSlotLayer`): [B, Hq, D] float32.
+
+    codes [B, Hkv, N, D] int8 (slots [0, nq) hold codes; row-stride D), rows [N] int32 (each sealed slot's scale
+    row), ks [B, Hkv, R, D] scales, kt [B, Hkv, >= N - nq, D] the unquantized tail (slots nq..N-1), vcodes
+    [B, Hkv, N, D] int8, vs [B, Hkv, N, 1] per-token value scales (slots [0, nq)), vt the tail's values (kt's
+    shape and strides); ks / kt / vs / vt fp32 or bf16 (one dtype). Other arguments as decode_raw_kernel. None
+    where the kernel cannot serve. Float64 reference: `kvpos.reference.decode_q8_ref`."""
+    if torch.compiler.is_compiling():
+        return None
+    B, Hkv, N, D = codes.shape
+    sd = ks.dtype
+    contiguous_rows = all(t.stride(3) == 1 and t.stride(2) == D for t in (codes, ks, kt, vcodes, vt))
+    if (codes.device.type != "cpu" or codes.dtype != torch.int8 or vcodes.dtype != torch.int8
+            or sd not in (torch.float32, torch.bfloat16) or kt.dtype != sd or vs.dtype != sd or vt.dtype != sd
+            or vt.shape != kt.shape or vt.stride() != kt.stride()
+            or rows.dtype != torch.int32 or rows.dim() != 1 or rows.shape[0] != N or not rows.is_contiguous()
+            or vcodes.shape != codes.shape or ks.shape[:2] != (B, Hkv) or ks.shape[3] != D
+            or kt.shape[:2] != (B, Hkv) or kt.shape[3] != D or kt.shape[2] < N - nq or not 0 <= nq <= N
+            or tuple(vs.shape) != (B, Hkv, N, 1) or vs.stride(2) != 1 or not contiguous_rows):
+        return None
+    prep = _decode_inputs(q, cos, sin, mask, tuple(codes.shape), (nq + 127) // 128 + (N - nq + 127) // 128,
+                          rotary_dim)
+    if prep is None:
+        return None
+    lib, qc, cs, sn, m, out, work, G = prep
+    fn = lib.kvpos_decode_q8_f32 if sd == torch.float32 else lib.kvpos_decode_q8_bf16
+    fn(qc.data_ptr(), codes.data_ptr(), rows.data_ptr(), ks.data_ptr(), kt.data_ptr(), vcodes.data_ptr(),
+       vs.data_ptr(), vt.data_ptr(), cs.data_ptr(), sn.data_ptr(), 0 if m is None else m.data_ptr(), out.data_ptr(),
+       work.data_ptr(), B, Hkv, G, N, nq, D, rotary_dim, cs.shape[0], 1 if m is None else m.shape[0],
+       codes.stride(0), codes.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), kt.stride(0), kt.stride(1),
+       vcodes.stride(0), vcodes.stride(1), vs.stride(0), vs.stride(1), float(scale), 1 if interleaved else 0,
        max(1, torch.get_num_threads()))
     return out
 

@@ -35,9 +35,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from ._checks import as_positions, check_int, check_range, check_slot_index, fail
+from .quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
 from .rope import RopeSpec, _apply, _apply_many, cos_sin
 
-__all__ = ["SlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE", "STORAGES"]
+__all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE", "STORAGES"]
 
 GROWTH = 2.0            # capacity multiplier when a buffer is full
 _MIN_CAPACITY = 64
@@ -232,7 +233,7 @@ class SlotTable:
         return t
 
 
-STORAGES = ("rotated", "raw")
+STORAGES = ("rotated", "raw", "int8")
 
 
 def _grown_tight(old_cap: int, need: int) -> int:
@@ -372,6 +373,244 @@ class SlotLayer:
         self.key_dtype = None
         self.n = 0
 
+    # -- what the cache's transactional operations use (overridden by quantized storage) ----------------------------
+    def mark(self) -> object:
+        """A rollback point for appends (slots are only ever written after the valid ones)."""
+        return self.n
+
+    def restore(self, mark: object) -> None:
+        self.n = mark
+
+    def snapshot(self) -> tuple:
+        """Buffers, dtype and mark: everything `restore_snapshot` needs to undo appends, growth and row changes."""
+        return list(self.buffers()), self.key_dtype, self.mark()
+
+    def restore_snapshot(self, snap: tuple) -> None:
+        bufs, self.key_dtype, mark = snap
+        self.set_buffers(bufs)
+        self.restore(mark)
+
+    def truncate(self, n: int) -> None:
+        """Forget every slot from `n` on."""
+        self.n = min(self.n, n)
+
+    def read_raw(self, start: int, end: int, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw keys, values) [B, H, end - start, D] of slots [start, end): views (copies with `copy`)."""
+        k, v = self.raw_k[:, :, start:end], self.v[:, :, start:end]
+        return (k.clone(), v.clone()) if copy else (k, v)
+
+    def copy_into(self, other: "SlotLayer", cap: int, fixed: bool) -> None:
+        """Give `other` (an empty layer of the same kind) a copy of the valid slots, capacity `cap`."""
+        other.set_buffers(_regrow(self.buffers(), 2, cap, self.n, fixed))
+        other.key_dtype, other.n = self.key_dtype, self.n
+
+
+class QuantSlotLayer(SlotLayer):
+    """storage="int8": one layer's raw keys and values in int8 (`kvpos.quant`), the first `n` of C slots valid.
+
+        raw_k [B, H, C, D] int8   key codes of the sealed slots [0, q): per channel over groups of GROUP tokens
+        rows  [C] int32           each sealed slot's scale row in ks
+        ks    [B, H, R, D]        key scales (the keys' dtype); rows [0, nrows) in use
+        v     [B, H, C, Dv] int8  value codes of the sealed slots, vs [B, H, C, 1] their per-token scales
+        kt, vt [B, H, GROUP, D]   the tail: keys and values of slots [q, n) unquantized (n - q <= GROUP), like
+                                  KIVI's residual; a group is sealed from it when a write would leave more than
+                                  GROUP there, so the newest GROUP tokens or fewer are always exact
+
+    A write never changes what an earlier state reads (scale rows go after the used ones, codes after the sealed
+    slots, sealing takes new tail tensors), so buffer references plus counts are a complete rollback point. Deleting
+    or reordering slots moves codes and row numbers only; the tail stays a tail when its kept slots stay the last
+    ones in order, else it is sealed first as one (shorter) group."""
+
+    def __init__(self, spec: RopeSpec, raw_dtype: torch.dtype | None = None, storage: str = "int8",
+                 fixed: int | None = None) -> None:
+        SlotLayer.__init__(self, spec, None, storage, None)
+        self.rows: torch.Tensor | None = None
+        self.ks: torch.Tensor | None = None
+        self.vs: torch.Tensor | None = None
+        self.kt: torch.Tensor | None = None
+        self.vt: torch.Tensor | None = None
+        self.q = 0
+        self.nrows = 0
+
+    @property
+    def _names(self) -> tuple[str, ...]:
+        return ("raw_k", "v", "vs", "rows", "ks", "kt", "vt")
+
+    @property
+    def raw_keys(self) -> torch.Tensor | None:
+        """[B, H, T, D] keys before RoPE, dequantized (a new tensor)."""
+        return None if self.v is None else self.dequant_keys(0, self.n)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """[B, H, T, Dv] values, dequantized (a new tensor)."""
+        return None if self.v is None else self.dequant_values(0, self.n)
+
+    def _new_tails(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, _, D = self.raw_k.shape
+        dev = self.raw_k.device
+        return (_alloc((B, H, GROUP, D), self.key_dtype, dev), _alloc((B, H, GROUP, self.v.shape[3]),
+                                                                     self.key_dtype, dev))
+
+    def reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
+        if self.v is None:
+            B, H, _, D = like_k.shape
+            cap, kd, dev = _grown_tight(0, need), like_k.dtype, like_k.device
+            raw_k = _alloc((B, H, cap, D), torch.int8, dev)
+            v = _alloc((B, H, cap, like_v.shape[-1]), torch.int8, dev)
+            vs = _alloc((B, H, cap, 1), kd, dev)
+            rows = _alloc((cap,), torch.int32, dev)
+            ks = _alloc((B, H, max(4, cap // GROUP + 2), D), kd, dev)
+            self.raw_k, self.v, self.vs, self.rows, self.ks, self.key_dtype = raw_k, v, vs, rows, ks, kd
+            self.kt, self.vt = self._new_tails()
+            return
+        if need > self.capacity:
+            self._regrow_slots(_grown_tight(self.capacity, need))
+
+    def _regrow_slots(self, cap: int) -> None:
+        a = _regrow([self.raw_k, self.v, self.vs], 2, cap, self.q)
+        r = _regrow([self.rows], 0, cap, self.q)
+        self.raw_k, self.v, self.vs, self.rows = a[0], a[1], a[2], r[0]
+
+    def shrink_(self, cap: int) -> None:
+        if self.v is not None and cap < self.capacity:
+            self._regrow_slots(max(cap, self.n))
+
+    def _ensure_rows(self, need: int) -> None:
+        if need > self.ks.shape[2]:
+            self.ks = _regrow([self.ks], 2, max(need, 2 * self.ks.shape[2]), self.nrows)[0]
+
+    def _seal_(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize keys / values [B, H, m, D] as the slots [q, q + m): key groups of GROUP (the last may be shorter)
+        in new scale rows, values per token."""
+        m = keys.shape[2]
+        groups = -(-m // GROUP)
+        codes, scales = quantize_key_groups(keys, GROUP)
+        vc, vsc = quantize_values(values)
+        self._ensure_rows(self.nrows + groups)
+        q = self.q
+        self.ks[:, :, self.nrows: self.nrows + groups] = scales
+        self.raw_k[:, :, q: q + m], self.v[:, :, q: q + m], self.vs[:, :, q: q + m] = codes, vc, vsc
+        self.rows[q: q + m] = (torch.arange(m, device=self.rows.device) // GROUP + self.nrows).int()
+        self.nrows += groups
+        self.q = q + m
+
+    def append(self, k_rot: torch.Tensor | None, v: torch.Tensor, k_raw: torch.Tensor) -> None:
+        """Write S new slots after the valid ones, through the tail (whole groups sealed from it)."""
+        if torch.compiler.is_compiling():
+            fail("PositionedKV(storage='int8') under torch.compile", "an eager forward", "a compiled one",
+                 "use storage='raw' or 'rotated' for compiled decoding")
+        S = k_raw.shape[2]
+        self.reserve(k_raw, v, self.n + S)
+        n, t = self.n, self.n - self.q
+        M = t + S
+        groups = (M - 1) // GROUP
+        if groups == 0:
+            self.kt[:, :, t:M], self.vt[:, :, t:M] = k_raw, v
+        else:
+            m = groups * GROUP
+            keys = torch.cat([self.kt[:, :, :t], k_raw.to(self.key_dtype)], 2)
+            vals = torch.cat([self.vt[:, :, :t], v.to(self.key_dtype)], 2)
+            self._seal_(keys[:, :, :m], vals[:, :, :m])
+            kt, vt = self._new_tails()
+            kt[:, :, : M - m], vt[:, :, : M - m] = keys[:, :, m:], vals[:, :, m:]
+            self.kt, self.vt = kt, vt
+        self.n = n + S
+
+    def write_at(self, idx: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        fail("PositionedKV(storage='int8')", "eager forwards", "a fixed-capacity compiled write")
+
+    def mark(self) -> object:
+        return self.n, self.q, self.nrows, self.kt, self.vt
+
+    def restore(self, mark: object) -> None:
+        self.n, self.q, self.nrows, self.kt, self.vt = mark
+
+    def truncate(self, n: int) -> None:
+        if n >= self.n:
+            return
+        if n >= self.q:
+            self.n = n
+        else:
+            self.n = self.q = n
+            self.kt, self.vt = self._new_tails()
+
+    def dequant_keys(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw keys [B, H, end - start, D] of slots [start, end) in the keys' dtype (into `out` if given)."""
+        B, H, _, D = self.raw_k.shape
+        res = out if out is not None else _alloc((B, H, end - start, D), self.key_dtype, self.raw_k.device)
+        a, b = start, min(end, self.q)
+        if b > a:
+            dequantize_keys(self.raw_k[:, :, a:b], self.rows[a:b], self.ks, self.key_dtype, out=res[:, :, : b - a])
+        a = max(start, self.q)
+        if end > a:
+            res[:, :, a - start:] = self.kt[:, :, a - self.q: end - self.q]
+        return res
+
+    def dequant_values(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values [B, H, end - start, Dv] of slots [start, end) in the keys' dtype (into `out` if given)."""
+        B, H, _, Dv = self.v.shape
+        res = out if out is not None else _alloc((B, H, end - start, Dv), self.key_dtype, self.v.device)
+        a, b = start, min(end, self.q)
+        if b > a:
+            dequantize_values(self.v[:, :, a:b], self.vs[:, :, a:b], self.key_dtype, out=res[:, :, : b - a])
+        a = max(start, self.q)
+        if end > a:
+            res[:, :, a - start:] = self.vt[:, :, a - self.q: end - self.q]
+        return res
+
+    def read_raw(self, start: int, end: int, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dequant_keys(start, end), self.dequant_values(start, end)
+
+    def _seal_tail_(self) -> None:
+        """Seal the whole tail now, as one group of n - q tokens."""
+        t = self.n - self.q
+        if t:
+            self._seal_(self.kt[:, :, :t], self.vt[:, :, :t])
+            self.kt, self.vt = self._new_tails()
+
+    def select_(self, idx: torch.Tensor) -> None:
+        """Keep slots idx (1-D long) in that order, compacting them (and the scale rows they use) to the front."""
+        k = idx.numel()
+        in_tail = idx >= self.q
+        m = int(in_tail.sum())
+        tail_idx = idx[k - m:]
+        if m and not (bool(in_tail[k - m:].all()) and bool((tail_idx[1:] > tail_idx[:-1]).all())):
+            self._seal_tail_()                      # the kept tail slots move among sealed ones: seal them first
+            m, tail_idx = 0, idx[k:]
+        sealed = idx[: k - m]
+        for buf in (self.raw_k, self.v, self.vs):
+            buf[:, :, : k - m] = buf[:, :, sealed]
+        rows = self.rows[sealed]
+        used = torch.unique(rows)                                   # sorted
+        if used.numel() < self.nrows:
+            self.ks[:, :, : used.numel()] = self.ks[:, :, used.long()]
+            rows = torch.searchsorted(used, rows).int()
+            self.nrows = used.numel()
+        self.rows[: k - m] = rows
+        kt, vt = self._new_tails()
+        t_src = (tail_idx - self.q).to(self.kt.device)
+        kt[:, :, :m], vt[:, :, :m] = self.kt[:, :, t_src], self.vt[:, :, t_src]
+        self.kt, self.vt, self.q, self.n = kt, vt, k - m, k
+
+    def select_rows_(self, rows: torch.Tensor) -> None:
+        if self.v is not None:
+            r = rows.to(self.v.device)
+            self.raw_k, self.v, self.vs, self.ks, self.kt, self.vt = (
+                b[r] for b in (self.raw_k, self.v, self.vs, self.ks, self.kt, self.vt))
+
+    def clear(self) -> None:
+        SlotLayer.clear(self)
+        self.rows = self.ks = self.vs = self.kt = self.vt = None
+        self.q = self.nrows = 0
+
+    def copy_into(self, other: "SlotLayer", cap: int, fixed: bool) -> None:
+        other.raw_k, other.v, other.vs = _regrow([self.raw_k, self.v, self.vs], 2, cap, self.q)
+        other.rows = _regrow([self.rows], 0, cap, self.q)[0]
+        other.ks = _regrow([self.ks], 2, max(self.nrows, 4), self.nrows)[0]
+        other.kt, other.vt = self.kt.clone(), self.vt.clone()
+        other.key_dtype, other.n, other.q, other.nrows = self.key_dtype, self.n, self.q, self.nrows
+
 
 @dataclass
 class _Forward:
@@ -381,6 +620,7 @@ class _Forward:
     S: int
     pos: torch.Tensor
     done: set = field(default_factory=set)
+    marks: dict = field(default_factory=dict)     # layer index -> its mark before this forward (rollback point)
     unrot: dict = field(default_factory=dict)     # id(spec) -> (cos, -sin) [B, 1, S, R/2]
     read: "_ReadState | None" = None              # storage="raw": this forward's rotate-on-read state
     at: "torch.Tensor | None" = None              # fixed capacity under compile: the slot index [S] of the new slots
@@ -415,6 +655,15 @@ class _ReadState:
             cos, sin = cos[:, 0], sin[:, 0]
             cs = self.cs[key] = (cos * s, sin * s) if s != 1.0 else (cos, sin)
         return cs
+
+    def value_buffer(self, layer: "SlotLayer") -> torch.Tensor:
+        """[B, H, n, Dv] in the keys' dtype: where storage="int8" dequantizes a layer's values (shared by layers)."""
+        B, H, _, Dv = layer.v.shape
+        key = ("v", B, H, Dv, layer.key_dtype, layer.v.device)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = _alloc((B, H, self.n, Dv), layer.key_dtype, layer.v.device)
+        return buf
 
     def buffer(self, layer: "SlotLayer") -> torch.Tensor:
         B, H, _, D = layer.raw_k.shape
@@ -451,9 +700,10 @@ class PositionedKV:
                  storage: str = "rotated", capacity: int | None = None) -> None:
         """specs: one RopeSpec per layer; raw_dtype: dtype of the raw keys (default: the keys' own); origin: an opaque
         identity of the model that writes the slots (caches of different origins are never mixed; None = unknown);
-        storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache) or "raw"
+        storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache), "raw"
         (raw keys + values only, keys rotated on read into one scratch layer per forward: the size of a plain
-        cache; position operations touch only the slot table). capacity: a fixed capacity in slots (buffers
+        cache; position operations touch only the slot table) or "int8" (like "raw" with keys and values stored
+        as int8: `QuantSlotLayer`; about 0.27x a plain fp32 cache, approximate; no recompute forwards). capacity: a fixed capacity in slots (buffers
         allocated once at that size, zero-filled, never regrown; attention receives all `capacity` slots and the
         mask hides the unused ones: static shapes for torch.compile(fullgraph=True), like transformers'
         StaticCache); None (default) grows as needed."""
@@ -464,8 +714,11 @@ class PositionedKV:
             if capacity < 1:
                 fail(f"{type(self).__name__} capacity", "None or an int >= 1 (slots)", capacity)
             if storage != "rotated":
-                fail(f"{type(self).__name__} capacity", "None with storage='raw' (rotate-on-read has no "
+                fail(f"{type(self).__name__} capacity", f"None with storage={storage!r} (rotate-on-read has no "
                      "fixed-capacity mode)", capacity, "use storage='rotated' for a fixed-capacity cache")
+        if storage == "int8" and raw_dtype is not None:
+            fail(f"{type(self).__name__} raw_dtype", "None with storage='int8' (keys are stored as int8 codes)",
+                 raw_dtype)
         self.storage = storage
         self.capacity = capacity
         if isinstance(specs, RopeSpec) or not isinstance(specs, (list, tuple)) or not specs:
@@ -485,13 +738,15 @@ class PositionedKV:
         self._overwrite: _Overwrite | None = None
         self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
         self._handout: _ReadState | None = None           # read state of the last write that handed out raw keys
+        self._committed: tuple[int, dict] | None = None     # (n0, layer marks) of the last committed forward
 
     def _new_table(self) -> SlotTable:
         return SlotTable(self.capacity, _grown if self.storage == "rotated" else _grown_tight)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
         """The storage object of layer `index` (engine adapters return their protocol subclass)."""
-        return SlotLayer(spec, self.raw_dtype, self.storage, self.capacity)
+        cls = QuantSlotLayer if self.storage == "int8" else SlotLayer
+        return cls(spec, self.raw_dtype, self.storage, self.capacity)
 
     @property
     def specs(self) -> list[RopeSpec]:
@@ -561,7 +816,7 @@ class PositionedKV:
         start, end = check_range("raw_kv", start, end, n)
         if n == 0:
             return []
-        return [(l.raw_k[:, :, start:end].clone(), l.v[:, :, start:end].clone()) for l in self.layers]
+        return [l.read_raw(start, end, copy=True) for l in self.layers]
 
     def rotated_keys(self, layer: int) -> torch.Tensor:
         """[B, H, T, D] keys of `layer` as attention sees them (see `layer_keys`)."""
@@ -581,19 +836,33 @@ class PositionedKV:
         """storage="raw": layer `index`'s (raw keys, values [B, H, T, D], cos, sin [B, T, R/2] float32 of the slots'
         positions, multiplied by the RoPE attention scaling): what an attention needs to rotate keys on read itself.
         `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `_handout`)."""
+        l, cos, sin = self._fused_read_setup("raw_read", index, "raw", state)
+        return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
+
+    def _fused_read_setup(self, op: str, index: int, storage: str, state: "_ReadState | None"
+                          ) -> tuple[SlotLayer, torch.Tensor, torch.Tensor]:
+        """Layer `index` (checked: allocated, of `storage`) and its slots' scaled cos / sin [B, T, R/2]."""
         l = self.layers[index]
-        if l.storage != "raw" or not l.allocated:
-            fail(f"raw_read layer {index}", "an allocated layer with storage='raw'",
+        if l.storage != storage or not l.allocated:
+            fail(f"{op} layer {index}", f"an allocated layer with storage={storage!r}",
                  f"storage={l.storage!r}, allocated={l.allocated}")
         st = self._read_state() if state is None or state.n != l.n else state
         cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.raw_k.device)
-        return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
+        return l, cos, sin
 
     def _drop_tail_(self, n0: int) -> None:
-        """Forget every slot from `n0` on (a forward that failed after it committed); positions, keys untouched."""
+        """Forget every slot from `n0` on (a step that failed in attention, running or just committed); positions,
+        keys untouched."""
+        if self._forward is not None and self._forward.n0 == n0:
+            self._rollback_forward()
+            return
         self._forward = None
-        for l in self.layers:
-            l.n = min(l.n, n0)
+        marks = self._committed
+        for i, l in enumerate(self.layers):
+            if marks is not None and marks[0] == n0 and i in marks[1]:
+                l.restore(marks[1][i])
+            else:
+                l.truncate(n0)
         self.table.truncate(n0)
 
     def _read_state(self) -> _ReadState:
@@ -617,8 +886,8 @@ class PositionedKV:
         cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
         out = st.buffer(l)[:, :, :n]
         if upto:
-            _apply(l.raw_k[:, :, :upto], cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling,
-                   out=out[:, :, :upto])
+            src = l.dequant_keys(0, upto) if l.storage == "int8" else l.raw_k[:, :, :upto]
+            _apply(src, cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling, out=out[:, :, :upto])
         if fresh is None:
             pass
         elif isinstance(fresh[0], int):
@@ -628,6 +897,38 @@ class PositionedKV:
         if not torch.compiler.is_compiling():          # attention backends (which read it) run eagerly
             self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
         return out
+
+    def _values_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+        """Layer `index`'s values [B, H, T, Dv] as attention reads them: the stored ones, or (storage="int8")
+        dequantized into the forward's value buffer, `fresh` = (slots, values) copied in as the engine computed
+        them (like `_rotate_on_read`)."""
+        l = self.layers[index]
+        if l.storage != "int8":
+            return l.values
+        n = l.n
+        upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
+        out = self._read_state().value_buffer(l)[:, :, :n]
+        if upto:
+            l.dequant_values(0, upto, out=out[:, :, :upto])
+        if fresh is not None:
+            out[:, :, upto:] = fresh[1].to(out.dtype)
+        return out
+
+    def read_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s (keys rotated to their positions, values) as attention reads them (read buffers for
+        storage="raw" / "int8": valid until the next layer is read in the same forward)."""
+        return self.layer_keys(index), self._values_on_read(index)
+
+    def quant_read(self, index: int, state: "_ReadState | None" = None) -> dict:
+        """storage="int8": what a fused reader needs of layer `index`: key codes [B, H, T, D] int8 (sealed slots
+        [0, q)), rows [T] int32, scales ks [B, H, R, D], the tail kt / vt [B, H, >= T - q, D], value codes
+        [B, H, T, Dv] int8 and scales vs [B, H, T, 1] (sealed slots), q, and cos / sin [B, T, R/2] float32 (scaled like
+        `raw_read`)."""
+        l, cos, sin = self._fused_read_setup("quant_read", index, "int8", state)
+        n = l.n
+        return dict(codes=l.raw_k[:, :, :n], rows=l.rows[:n], ks=l.ks, kt=l.kt, vcodes=l.v[:, :, :n],
+                    vs=l.vs[:, :, :n], vt=l.vt, q=l.q, cos=cos, sin=sin)
 
     def holds_keys(self, index: int, keys: torch.Tensor) -> bool:
         """Whether `keys` are layer `index`'s keys as this cache handed them to attention (same storage)."""
@@ -669,7 +970,7 @@ class PositionedKV:
 
     def _rerotate(self, start: int, end: int) -> None:
         """Recompute rot_k of slots [start, end) from raw_k, every layer; cos/sin computed once per distinct spec."""
-        if end <= start or self.storage == "raw" or not self.layers[0].allocated:
+        if end <= start or self.storage != "rotated" or not self.layers[0].allocated:
             return
         pos = self.table.pos[:, start:end]
         for spec, idx in self._groups().values():
@@ -709,12 +1010,15 @@ class PositionedKV:
             cos, sin = cos_sin(fw.pos, layer.spec, device=k_rot.device)
             cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
+        fw.marks[index] = layer.mark()
         layer.append(k_rot if layer.storage == "rotated" else None, v, raw)
-        if layer.storage == "raw" and hand_raw:
+        values = None
+        if layer.storage != "rotated" and hand_raw:
             self._handout = self._read_state()       # the forward's cos/sin, shared by its layers
-            keys = layer.raw_k[:, :, : layer.n]
-        elif layer.storage == "raw":
+            keys, values = layer.raw_k[:, :, : layer.n], layer.v[:, :, : layer.n]   # (int8: the codes)
+        elif layer.storage != "rotated":
             keys = self._rotate_on_read(index, (fw.n0, k_rot))
+            values = self._values_on_read(index, (fw.n0, v))
         elif self.capacity is not None:
             keys = layer.rot_k                      # fixed capacity: every slot (static shape), the mask hides the rest
         else:
@@ -722,7 +1026,10 @@ class PositionedKV:
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
             self._forward = None                    # committed (the scratch goes with it)
-        return keys, (layer.v if self.capacity is not None else layer.values)
+            self._committed = (fw.n0, fw.marks)
+        if values is None:
+            values = layer.v if self.capacity is not None else layer.values
+        return keys, values
 
     def _write_counted(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -794,7 +1101,7 @@ class PositionedKV:
             self.table.count.fill_(self.table.n)
             return
         for i in fw.done:
-            self.layers[i].n = fw.n0
+            self.layers[i].restore(fw.marks[i])
         self.table.truncate(fw.n0)
 
     def _settle(self) -> None:
@@ -811,15 +1118,15 @@ class PositionedKV:
         self._check_idle("appending")
         table = self.table
         saved_table = (table._pos, table._vis, table._seg, table.n)
-        saved_layers = [(l.rot_k, l.raw_k, l.v, l.key_dtype, l.n) for l in self.layers]
+        saved_layers = [l.snapshot() for l in self.layers]
         try:
             yield
         except BaseException:
             self._forward = None
             self.table = table
             table._pos, table._vis, table._seg, table.n = saved_table
-            for l, (rot, raw, v, kd, n) in zip(self.layers, saved_layers):
-                l.rot_k, l.raw_k, l.v, l.key_dtype, l.n = rot, raw, v, kd, n
+            for l, snap in zip(self.layers, saved_layers):
+                l.restore_snapshot(snap)
             raise
 
     @contextlib.contextmanager
@@ -828,6 +1135,10 @@ class PositionedKV:
         appending: the recompute step of link / selective repairs. Positions must equal what the slots hold. On an
         exception every overwritten slot gets its old keys and values back (cache: modified in place)."""
         n = self._check_idle("overwriting")
+        if self.storage == "int8":
+            fail("overwriting", "a cache whose slots can be rewritten (storage 'rotated' or 'raw')",
+                 "storage='int8' (quantized slots are written once)",
+                 "recompute repairs (link-k, selective, PIE re-encode) need storage='raw' or 'rotated'")
         idx = check_slot_index("overwriting slots", slots, n)
         if self._overwrite is not None:
             fail("overwriting", "no overwrite already in progress", "a nested overwriting() block")
@@ -994,7 +1305,9 @@ class PositionedKV:
         self._reserve_all(n + S, [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in kv])
         self.table.reserve(B, n + S, pos.device)
         sl = slice(n, n + S)
-        for l, (k, v) in zip(self.layers, kv):
+        if self.storage == "int8":
+            self._append_quantized(kv, B)
+        for l, (k, v) in zip(self.layers, kv if self.storage != "int8" else ()):
             l.raw_k[:, :, sl] = k
             l.v[:, :, sl] = v
         for spec, idx in self._groups().values() if self.storage == "rotated" else ():
@@ -1006,6 +1319,17 @@ class PositionedKV:
             l.n = n + S
         self.table.append(pos, visible=visible, segment=segment)
         return self
+
+    def _append_quantized(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], B: int) -> None:
+        """storage="int8": quantize and append per-layer (raw_keys [B|1, H, S, D], values); all layers or none."""
+        snaps = [l.snapshot() for l in self.layers]
+        try:
+            for l, (k, v) in zip(self.layers, kv):
+                l.append(None, v.expand(B, -1, -1, -1), k.expand(B, -1, -1, -1))
+        except BaseException:
+            for l, snap in zip(self.layers, snaps):
+                l.restore_snapshot(snap)
+            raise
 
     def _check_raw_kv(self, what: str, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
         """Validate per-layer (raw_keys, values) against this cache; returns (B, S)."""
@@ -1044,7 +1368,7 @@ class PositionedKV:
 
     def _reserve_all(self, need: int, like: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Grow every layer to `need` slots; if any allocation fails, no layer changes (all-or-nothing)."""
-        before = [(l.rot_k, l.raw_k, l.v, l.key_dtype) for l in self.layers]
+        before = [l.snapshot() for l in self.layers]
         try:
             for l, (k, v) in zip(self.layers, like):
                 if not l.allocated:
@@ -1052,8 +1376,8 @@ class PositionedKV:
                 else:
                     l.reserve(l.raw_k[:, :, :0], l.v[:, :, :0], need)
         except BaseException:
-            for l, (rot, raw, v, kd) in zip(self.layers, before):
-                l.rot_k, l.raw_k, l.v, l.key_dtype = rot, raw, v, kd
+            for l, snap in zip(self.layers, before):
+                l.restore_snapshot(snap)
             raise
 
     def reserve_(self, slots: int) -> "PositionedKV":
@@ -1079,9 +1403,7 @@ class PositionedKV:
         new = self.empty_like()
         for a, b in zip(self.layers, new.layers):
             if a.allocated:
-                b.set_buffers(_regrow(a.buffers(), 2, self.capacity or max(n + headroom, 1), n,
-                                      self.capacity is not None))
-                b.key_dtype = a.key_dtype
+                a.copy_into(b, self.capacity or max(n + headroom, 1), self.capacity is not None)
             b.n = a.n
         new.table = self.table.copy(headroom)
         return new
@@ -1102,7 +1424,7 @@ class PositionedKV:
             return self
         pos = other.table.pos[:, start:end] if positions is None else positions
         seg = other.table.segment[:, start:end] if segment is None else segment
-        return self.append_raw_([(l.raw_k[:, :, start:end], l.v[:, :, start:end]) for l in other.layers], pos,
+        return self.append_raw_([l.read_raw(start, end) for l in other.layers], pos,
                                 segment=seg, visible=other.table.visible[:, start:end])
 
     @classmethod
@@ -1149,7 +1471,7 @@ class PositionedKV:
                  "to keep the first n slots use delete_(n, num_slots)")
         keep = max(0, n + k)
         for l in self.layers:
-            l.n = keep
+            l.truncate(keep)
         self.table.truncate(keep)
 
     def reorder_rows_(self, rows: torch.Tensor | Sequence[int]) -> None:

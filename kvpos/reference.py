@@ -10,7 +10,7 @@ import torch
 
 from .rope import RopeLayout, RopeSpec
 
-__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "ape_merge_ref",
+__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "decode_q8_ref", "ape_merge_ref",
            "windowed_score_ref"]
 
 
@@ -76,6 +76,24 @@ def decode_raw_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, pos: t
     k = rotate_ref(k_raw, pos, spec)
     out, _ = attend_ref(q[:, :, None], k, v, None if allowed is None else allowed[:, None, None], scale)
     return out[:, :, 0]
+
+
+def decode_q8_ref(q: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor,
+                  nq: int, vcodes: torch.Tensor, vs: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor,
+                  spec: RopeSpec, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """What the int8 decode kernel computes, in float64: slot j < nq has key codes[j] * ks[rows[j]] and value
+    vcodes[j] * vs[j]; a tail slot j >= nq has key kt[j - nq] and value vt[j - nq]; then `decode_raw_ref`. Shapes
+    as `kvpos._kernels.decode_q8_kernel`."""
+    N = codes.shape[2]
+    k = torch.empty(codes.shape, dtype=torch.float64)
+    v = torch.empty(vcodes.shape, dtype=torch.float64)
+    for j in range(N):
+        if j < nq:
+            k[:, :, j] = codes[:, :, j].double() * ks[:, :, int(rows[j])].double()
+            v[:, :, j] = vcodes[:, :, j].double() * vs[:, :, j].double()
+        else:
+            k[:, :, j], v[:, :, j] = kt[:, :, j - nq].double(), vt[:, :, j - nq].double()
+    return decode_raw_ref(q.double(), k, v, pos, spec, allowed, scale)
 
 
 def ape_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ctx: torch.Tensor, allowed: torch.Tensor,

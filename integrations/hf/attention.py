@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpos._checks import fail
-from kvpos._kernels import decode_raw_kernel
+from kvpos._kernels import decode_q8_kernel, decode_raw_kernel
 from kvpos.cache import PositionedKV
 from kvpos.rope import RopeLayout
 
@@ -181,11 +181,19 @@ def _raw_attention(read: RawRead, module: torch.nn.Module, query: torch.Tensor, 
     why = _why_not_fused(module, query, value, attention_mask, dropout, kwargs)
     out = None
     if why is None:
-        k, v, cos, sin = read.cache.raw_read(read.layer, read.state)
-        spec = read.cache.layers[read.layer].spec
+        cache = read.cache
+        spec = cache.layers[read.layer].spec
         sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        out = decode_raw_kernel(query[:, :, 0], k, v, cos, sin, _additive_mask(attention_mask, k.shape[2]), sm,
-                                spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED)
+        inter = spec.layout is RopeLayout.INTERLEAVED
+        if cache.storage == "int8":
+            d = cache.quant_read(read.layer, read.state)
+            out = decode_q8_kernel(query[:, :, 0], d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"],
+                                   d["vs"], d["vt"], d["cos"], d["sin"], _additive_mask(attention_mask, d["codes"].shape[2]),
+                                   sm, spec.rotary_dim, inter)
+        else:
+            k, v, cos, sin = cache.raw_read(read.layer, read.state)
+            out = decode_raw_kernel(query[:, :, 0], k, v, cos, sin, _additive_mask(attention_mask, k.shape[2]), sm,
+                                    spec.rotary_dim, inter)
         why = None if out is not None else "the kernel cannot serve these tensors (kvpos._kernels.kernel_status())"
     if out is None and read.strict:
         read.cache._drop_tail_(read.n0)
@@ -216,7 +224,7 @@ def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                                 kwargs)
         if out is not None:
             return out, None
-        key = read.cache._rotate_on_read(read.layer)        # the reference path: keys rotated into a buffer
+        key, value = read.cache.read_layer(read.layer)      # the reference path: keys rotated into a buffer
         read.cache.read_counts["torch"] += 1
     if b is None or id(module) not in b.modules:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

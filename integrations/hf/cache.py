@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpos._checks import fail
 from kvpos._kernels import kernel_status, rope_kernel_available
-from kvpos.cache import PositionedKV, SlotLayer
+from kvpos.cache import PositionedKV, QuantSlotLayer, SlotLayer
 from kvpos.rope import RopeSpec, rope_specs_from_model
 
 from .attention import RawRead, hand_raw_keys, switch_to_kvpos, uses_kvpos_attention
@@ -179,6 +179,16 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         self._owner.batch_select_indices(indices)
 
 
+class PositionedQuantLayer(QuantSlotLayer, PositionedLayer):
+    """A PositionedLayer with storage="int8" (QuantSlotLayer's buffers and reads, PositionedLayer's protocol)."""
+
+    def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
+                 storage: str = "int8", fixed: int | None = None) -> None:
+        QuantSlotLayer.__init__(self, spec, raw_dtype, storage, fixed)
+        self._owner_ref = weakref.ref(owner)
+        self.index = index
+
+
 class PositionedCache(PositionedKV, Cache):
     """A transformers Cache that stores keys unrotated beside int64 positions and re-rotates only moved slots.
 
@@ -223,17 +233,18 @@ class PositionedCache(PositionedKV, Cache):
             fail("PositionedCache offloading", "a bool", type(offloading).__name__, exc=TypeError)
         if read not in READS:
             fail("PositionedCache read", " or ".join(repr(r) for r in READS), repr(read))
-        if read == "fused" and storage != "raw":
+        if read == "fused" and storage == "rotated":
             fail("PositionedCache read", "'auto' or 'torch' with storage='rotated' (only raw keys are read by the "
-                 "fused kernel)", repr(read), "pass storage='raw' with read='fused'")
+                 "fused kernel)", repr(read), "pass storage='raw' or 'int8' with read='fused'")
         self.read = read
-        self.read_counts = {"fused": 0, "torch": 0}     # storage="raw" decode layer reads, by path
+        self.read_counts = {"fused": 0, "torch": 0}     # storage="raw" / "int8" decode layer reads, by path
         self.offloading = offloading
         self.model_id = model_id
         self._limited = any(s.max_exact_position is not None for s in self.specs)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> PositionedLayer:
-        return PositionedLayer(self, index, spec, self.raw_dtype, self.storage, self.capacity)
+        cls = PositionedQuantLayer if self.storage == "int8" else PositionedLayer
+        return cls(self, index, spec, self.raw_dtype, self.storage, self.capacity)
 
     def empty_like(self) -> "PositionedCache":
         return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage,
@@ -269,7 +280,7 @@ class PositionedCache(PositionedKV, Cache):
         origin = _install_forward_hook(model)
         out = cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
                   storage=storage, capacity=capacity, read=read)
-        if storage == "raw" and read != "torch":
+        if storage != "rotated" and read != "torch":
             impl = getattr(model.config, "_attn_implementation", None)
             if impl in ("sdpa", "kvpos"):
                 switch_to_kvpos(model)
@@ -313,7 +324,7 @@ class PositionedCache(PositionedKV, Cache):
             pos = fw.pos                                     # a later layer of the running forward
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
-        if self.storage == "raw" and self.read != "torch" and S == 1 and self._overwrite is None:
+        if self.storage != "rotated" and self.read != "torch" and S == 1 and self._overwrite is None:
             out = self._update_raw_read(layer_idx, key_states, value_states, pos)
         else:
             out = self.write_rotated_(layer_idx, key_states, value_states, pos)
@@ -471,6 +482,9 @@ def _tree_flatten(cache: PositionedCache) -> tuple[list[torch.Tensor], _TreeCont
              "export with PositionedCache.from_model(model); a fixed capacity's slot count is not a tensor size")
     if cache.offloading:
         fail("torch.export of a PositionedCache", "offloading=False", "offloading=True")
+    if cache.storage == "int8":
+        fail("torch.export of a PositionedCache", "storage 'rotated' or 'raw'", "storage='int8'",
+             "quantized storage runs eagerly only")
     leaves: list[torch.Tensor] = []
     for l in cache.layers:
         if l.allocated:
