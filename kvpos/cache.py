@@ -38,7 +38,8 @@ from ._checks import as_positions, check_int, check_range, check_slot_index, fai
 from .quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
 from .rope import RopeSpec, _apply, _apply_many, cos_sin
 
-__all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE", "STORAGES"]
+__all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
+           "STORAGES"]
 
 GROWTH = 2.0            # capacity multiplier when a buffer is full
 _MIN_CAPACITY = 64
@@ -703,7 +704,8 @@ class PositionedKV:
         storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache), "raw"
         (raw keys + values only, keys rotated on read into one scratch layer per forward: the size of a plain
         cache; position operations touch only the slot table) or "int8" (like "raw" with keys and values stored
-        as int8: `QuantSlotLayer`; about 0.27x a plain fp32 cache, approximate; no recompute forwards). capacity: a fixed capacity in slots (buffers
+        as int8: `QuantSlotLayer`; about 0.27x a plain fp32 cache, approximate; no recompute forwards).
+        capacity: a fixed capacity in slots (buffers
         allocated once at that size, zero-filled, never regrown; attention receives all `capacity` slots and the
         mask hides the unused ones: static shapes for torch.compile(fullgraph=True), like transformers'
         StaticCache); None (default) grows as needed."""

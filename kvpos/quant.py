@@ -2,7 +2,7 @@
 
 Letters: B batch · H kv heads · S tokens · D head_dim · R scale rows.
 
-Keys: int8 per channel over groups of GROUP consecutive tokens (KIVI's layout: a key channel's outliers are fixed
+Keys: int8 per channel over groups of GROUP (32) consecutive tokens (KIVI's layout: a key channel's outliers are fixed
 before RoPE, so one scale per channel and group fits them), symmetric, round to nearest. A slot names its group's
 scale row (`rows` [S] int32), so slots can be deleted or reordered without touching any scale. Values: int8 per
 token. Scales are stored in the keys' own dtype (fp32 or bf16), the codes are computed against the stored (rounded)
@@ -15,7 +15,7 @@ import torch
 __all__ = ["GROUP", "quantize_key_groups", "quantize_values", "dequantize_keys", "dequantize_values",
            "quantize_ref"]
 
-GROUP = 64          # tokens per key scale group (KIVI uses 32-128; 64 keeps the scale overhead at 1/64 of the codes)
+GROUP = 32          # tokens per key scale group (KIVI uses 32-128); also the most tokens the exact tail holds
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 
 from .rope import RopeLayout, RopeSpec
 
-__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "decode_q8_ref", "ape_merge_ref",
-           "windowed_score_ref"]
+__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "dequant_q8_ref", "decode_q8_ref",
+           "ape_merge_ref", "windowed_score_ref"]
 
 
 def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
@@ -78,12 +78,10 @@ def decode_raw_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, pos: t
     return out[:, :, 0]
 
 
-def decode_q8_ref(q: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor,
-                  nq: int, vcodes: torch.Tensor, vs: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor,
-                  spec: RopeSpec, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """What the int8 decode kernel computes, in float64: slot j < nq has key codes[j] * ks[rows[j]] and value
-    vcodes[j] * vs[j]; a tail slot j >= nq has key kt[j - nq] and value vt[j - nq]; then `decode_raw_ref`. Shapes
-    as `kvpos._kernels.decode_q8_kernel`."""
+def dequant_q8_ref(codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, nq: int,
+                   vcodes: torch.Tensor, vs: torch.Tensor, vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [B, H, N, D] float64 of int8 storage: slot j < nq has key codes[j] * ks[rows[j]] and value
+    vcodes[j] * vs[j]; a tail slot j >= nq has key kt[j - nq] and value vt[j - nq] (one slot at a time)."""
     N = codes.shape[2]
     k = torch.empty(codes.shape, dtype=torch.float64)
     v = torch.empty(vcodes.shape, dtype=torch.float64)
@@ -93,6 +91,15 @@ def decode_q8_ref(q: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, ks: 
             v[:, :, j] = vcodes[:, :, j].double() * vs[:, :, j].double()
         else:
             k[:, :, j], v[:, :, j] = kt[:, :, j - nq].double(), vt[:, :, j - nq].double()
+    return k, v
+
+
+def decode_q8_ref(q: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor,
+                  nq: int, vcodes: torch.Tensor, vs: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor,
+                  spec: RopeSpec, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """What the int8 decode kernel computes, in float64: `dequant_q8_ref` then `decode_raw_ref`. Shapes as
+    `kvpos._kernels.decode_q8_kernel`."""
+    k, v = dequant_q8_ref(codes, rows, ks, kt, nq, vcodes, vs, vt)
     return decode_raw_ref(q.double(), k, v, pos, spec, allowed, scale)
 
 

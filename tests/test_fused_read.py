@@ -15,12 +15,12 @@ from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 from kvpos.reference import decode_raw_ref
 from kvpos.rope import RopeLayout, RopeSpec, cos_sin
 
+from kernel_cases import decode_case, spec_for
+
 pytestmark = pytest.mark.skipif(not rope_kernel_available(), reason="no C compiler: the fused kernel is not built")
 
 
-def _spec(D, R, layout, scaling):
-    inv = 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
-    return RopeSpec(inv, scaling, R, D, layout, angle_dtype=torch.float64)   # angles as exact as the oracle's
+_spec = spec_for
 
 
 @pytest.mark.parametrize("B,Hkv,G,N,D,R,layout,dtype,scaling", [
@@ -38,14 +38,8 @@ def test_kernel_equals_the_float64_reference(B, Hkv, G, N, D, R, layout, dtype, 
     spec = _spec(D, R, layout, scaling)
     k = torch.randn(B, Hkv, N + 3, D, generator=g).to(dtype)[:, :, :N]      # a view with capacity beyond N
     v = torch.randn(B, Hkv, N + 3, D, generator=g).to(dtype)[:, :, :N]
-    q = torch.randn(B, Hkv * G, D, generator=g)
-    pos = torch.randint(0, 6000, (B, N), generator=g)
-    cos, sin = cos_sin(pos, spec)
-    allowed = torch.rand(B, N, generator=g) > 0.4 if masked else None
-    if masked:
-        allowed[:, 0] = True
-    add = None if allowed is None else torch.zeros(B, N).masked_fill(~allowed, float("-inf"))
-    out = decode_raw_kernel(q, k, v, cos * scaling, sin * scaling, add, 0.125, R, layout is RopeLayout.INTERLEAVED)
+    q, pos, cos, sin, allowed, add = decode_case(g, B, Hkv, G, N, spec, masked)
+    out = decode_raw_kernel(q, k, v, cos, sin, add, 0.125, R, layout is RopeLayout.INTERLEAVED)
     assert out is not None and out.shape == (B, Hkv * G, D)
     ref = decode_raw_ref(q, k, v, pos, spec, allowed, 0.125)
     assert (out.double() - ref).abs().max() < 2e-6

@@ -187,9 +187,9 @@ def _raw_attention(read: RawRead, module: torch.nn.Module, query: torch.Tensor, 
         inter = spec.layout is RopeLayout.INTERLEAVED
         if cache.storage == "int8":
             d = cache.quant_read(read.layer, read.state)
+            mask = _additive_mask(attention_mask, d["codes"].shape[2])
             out = decode_q8_kernel(query[:, :, 0], d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"],
-                                   d["vs"], d["vt"], d["cos"], d["sin"], _additive_mask(attention_mask, d["codes"].shape[2]),
-                                   sm, spec.rotary_dim, inter)
+                                   d["vs"], d["vt"], d["cos"], d["sin"], mask, sm, spec.rotary_dim, inter)
         else:
             k, v, cos, sin = cache.raw_read(read.layer, read.state)
             out = decode_raw_kernel(query[:, :, 0], k, v, cos, sin, _additive_mask(attention_mask, k.shape[2]), sm,
