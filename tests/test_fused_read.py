@@ -13,7 +13,7 @@ from kvpos._kernels import decode_raw_kernel, rope_kernel_available
 from kvpos.integrations.hf import PositionedCache
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 from kvpos.reference import decode_raw_ref
-from kvpos.rope import RopeLayout, RopeSpec, cos_sin
+from kvpos.rope import RopeLayout, cos_sin
 
 from kernel_cases import decode_case, spec_for
 
