@@ -9,20 +9,26 @@ For each model dtype (fp32, bf16) and context length, three caches hold the same
             rotates each key on read in registers: read="auto", the default, on an SDPA model)
   raw-torch the same storage with read="torch": keys rotated on read into one per-forward scratch buffer, then SDPA
             (the reference path)
+  int8      PositionedCache storage="int8" (raw keys int8 per channel over 32-token groups, values int8 per token,
+            the newest <= 32 tokens unquantized; decode steps attended by the fused int8 kernel)
+  int8-torch the same storage with read="torch": dequantized and rotated into per-forward buffers, then SDPA
+There is no in-cache 4-bit mode (the store has int4 entries: see the store rows).
 The caches are filled with random keys and values (bytes and decode time do not depend on the values; 32k tokens is
 beyond what a CPU prefills in a benchmark's time), then each decodes `--steps` tokens with a plain forward loop,
 modes alternating for `--reps` rounds (the order rotating); the median per-token time gives tokens/s, and
 decode_ratio_vs_dynamic is the median over rounds of the ratio within a round (min and max beside it). cache_bytes = bytes allocated for
 keys, values and positions between forwards (capacity, growth slack included); forward_scratch_bytes = what a
-forward allocates on top while it runs (raw-torch: one layer's rotated keys plus cos/sin; raw: cos/sin plus the
-kernel's split-K partials). shift_ms = `shift_` of the
-first half of the slots (rotated: re-rotates every moved key; raw: writes the slot table only).
+forward allocates on top while it runs (raw-torch: one layer's rotated keys plus cos/sin; int8-torch: one layer's
+keys and values dequantized, with their float32 temporaries; raw / int8: cos/sin plus the kernel's split-K partials).
+shift_ms = `shift_` of the first half of the slots (rotated: re-rotates every moved key; the others write the slot
+table only).
 
 Store rows: bytes per token of one 512-token chunk in the kvpos store format (every scheme: float, int8, int4),
 and `ChunkStore.get` time (verified read, dequantized) from a DiskBackend and from a local redis-server
 (`--store-only` for these rows alone).
 
-Look at: ratio_vs_dynamic of raw (target <= 1.02) and decode_ratio_vs_dynamic (target >= 0.95 at 2k and 8k).
+Look at: ratio_vs_dynamic of raw (target <= 1.02) and decode_ratio_vs_dynamic (target >= 0.95 at 2k and 8k); of
+int8 (targets: bytes <= 0.30x fp32 / 0.55x bf16 DynamicCache, decode >= 0.9x).
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ from kvpos.integrations.hf import PositionedCache, load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.store import SCHEMES, ChunkKV, ChunkStore, DiskBackend, RedisBackend, model_fingerprint, serialize
 
-MODES = ("dynamic", "rotated", "raw", "raw-torch")
+MODES = ("dynamic", "rotated", "raw", "raw-torch", "int8", "int8-torch")
 
 
 def _kv_dims(model) -> tuple[int, int, int]:
@@ -64,8 +70,8 @@ def build(model, mode: str, kv) -> DynamicCache | PositionedCache:
         for i, (k, v) in enumerate(kv):
             c.update(k.clone(), v.clone(), i)
         return c
-    c = PositionedCache.from_model(model, storage="rotated" if mode == "rotated" else "raw",
-                                   read="torch" if mode == "raw-torch" else "auto")
+    storage = {"rotated": "rotated", "raw": "raw", "raw-torch": "raw"}.get(mode, "int8")
+    c = PositionedCache.from_model(model, storage=storage, read="torch" if mode.endswith("-torch") else "auto")
     c.append_raw_(kv, torch.arange(kv[0][0].shape[2]))
     return c
 
@@ -81,7 +87,7 @@ def cache_bytes(cache) -> int:
 def scratch_bytes(cache) -> int:
     """What a forward allocates on top of the resident cache: cos/sin per spec, plus one layer of rotated keys
     (read="torch") or the fused kernel's split-K partials and output (read="auto" / "fused")."""
-    if not isinstance(cache, PositionedCache) or cache.storage != "raw":
+    if not isinstance(cache, PositionedCache) or cache.storage == "rotated":
         return 0
     raw = cache.layers[0].raw_k
     B, H, _, D = raw.shape
@@ -89,7 +95,9 @@ def scratch_bytes(cache) -> int:
     specs = {id(x.spec): x.spec for x in cache.layers}
     cos_sin = sum(2 * B * n * (s.rotary_dim // 2) * 4 for s in specs.values())
     if cache.read == "torch":
-        return B * H * n * D * raw.element_size() + cos_sin
+        el = torch.empty(0, dtype=cache.dtype).element_size()
+        # raw: one layer's rotated keys; int8: its keys and values dequantized, plus the float32 temporaries
+        return B * H * n * D * (el if cache.storage == "raw" else 2 * el + 2 * 4) + cos_sin
     Hq = cache_query_heads(cache)
     return cos_sin + 4 * (B * H * ((n + 127) // 128) * (Hq // H) * (D + 2) + B * Hq * D)
 
@@ -234,7 +242,7 @@ def main() -> None:
     series = {f"{m} {d} (x: context, y: decode ratio)": ([r["context"] for r in rows if r["mode"] == m and r["dtype"] == d],
                                                           [r["decode_ratio_vs_dynamic"] for r in rows
                                                            if r["mode"] == m and r["dtype"] == d])
-              for m in MODES[1:] for d in a.dtypes}
+              for m in MODES[1:] for d in a.dtypes if not m.endswith("-torch")}
     plot(png, series, "context tokens", "decode tokens/s / DynamicCache", "Decode speed by cache storage, CPU",
          logx=True)
 
