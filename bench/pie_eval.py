@@ -21,6 +21,10 @@ the cursor re-encoded) or "pie+attn<P>[+probe<Q>][+tail<T>]" (query-aware: the l
 the stale tokens to re-encode, EditSession's pie+attn; +tail<T> re-encodes the last T tokens first).
 Edits go through the text-level API: re-tokenize the new text, diff on tokens, apply.
 --skip drops base strategies (full always runs: it is the reference).
+--int8 SPEC... runs those strategies again on an int8 cache (PositionedCache storage="int8": keys int8 per channel
+over 32-token groups before RoPE, values per token, the newest <= 32 tokens unquantized; new tokens encoded piece by
+piece), reported as "<spec>@int8" and compared with the float `full` like every strategy (e.g. full@int8 is the
+quantization alone; no blend / attn repairs there).
 Metrics per strategy: em / es (edit similarity, 0-100) of the predicted vs the real next line, agree_full (% same
 prediction as full), update_s (median seconds to bring the cache up to date) and its ratio to full.
 The JSON also holds "records" (one per sample: task, file, line, token edits, to_cursor = untouched tokens between
@@ -183,7 +187,7 @@ def summarize(res: dict) -> dict:
 
 
 def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (),
-                   skip: tuple[str, ...] = ()) -> list[tuple[str, Strategy]]:
+                   skip: tuple[str, ...] = (), int8: tuple[str, ...] = ()) -> list[tuple[str, Strategy]]:
     """(report name, Strategy): "pie+k" is pie with the first k; further k values report as "pie+k<k>"; with
     tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor; each blend ratio r
     adds "pie+blend<100 r>"; then the --also specs (kvpos.edits.Strategy grammar, reported under the spec as
@@ -203,6 +207,15 @@ def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), 
             out.append((spec, Strategy.parse(spec)))
         except (ValueError, TypeError) as e:
             raise SystemExit(f"--also: {e}") from None
+    for spec in int8:
+        try:
+            strat = Strategy.parse(spec)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--int8: {e}") from None
+        if strat.repair is not None:
+            raise SystemExit(f"--int8: expected strategies without blend / attn repairs (int8 slots are written "
+                             f"once), got {spec}")
+        out.append((f"{spec}@int8", strat))
     names = [n for n, _ in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -213,11 +226,11 @@ def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), 
 @torch.no_grad()
 def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25,
         tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (), skip: tuple[str, ...] = (),
-        records: list | None = None) -> dict:
+        records: list | None = None, int8: tuple[str, ...] = ()) -> dict:
     """Score every strategy on every sample; returns summarize()'s table. When `records` is a list, one dict per
     sample is appended to it: task, file, line, number of token edits, `to_cursor` (untouched tokens between the end
     of the last edit and the cursor), the target and each strategy's predicted line."""
-    names = strategy_names(ks, tail, blend, also, skip)
+    names = strategy_names(ks, tail, blend, also, skip, int8)
     res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, _ in names}
            for t in ("insertion", "deletion", "multi")}
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
@@ -226,9 +239,11 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
         old_ids = tok(smp["old"]).input_ids        # with the tokenizer's own specials (Gemma's <bos>; none for SmolLM2)
         edits = diff_tokens(old_ids, tok(smp["new"]).input_ids)
         base = EditSession(model, old_ids)
+        base_q = EditSession(model, old_ids, storage="int8") if int8 else None
         preds, times, enc, chosen = {}, {}, {}, {}
         for name, strat in names:
-            sess = EditSession(model, old_ids, cache=base.cache.copy())
+            src = base_q if name.endswith("@int8") else base
+            sess = EditSession(model, old_ids, cache=src.cache.copy())
             r = sess.apply_text(tok, smp["new"], strat, add_special_tokens=True)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
@@ -357,6 +372,8 @@ def main() -> None:
                          "pie+k16+tail256 pie+attn10 (reported under that name)")
     ap.add_argument("--skip", nargs="*", default=[],
                     help=f"drop some of {' '.join(SKIPPABLE)} (full always runs), e.g. for a run of --also specs only")
+    ap.add_argument("--int8", nargs="*", default=[],
+                    help="strategies to run again on an int8 cache, reported as <spec>@int8 (e.g. full prefix pie)")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -371,7 +388,7 @@ def main() -> None:
     for r in a.blend:
         if not 0.0 < r <= 1.0:
             raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
-    names = strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip))  # bad specs fail early
+    names = strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip), tuple(a.int8))  # fail early
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     for name, strat in names:                       # what this model cannot do fails before the run, with the reason
@@ -396,7 +413,7 @@ def main() -> None:
         payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "seed": a.seed,
                    "partial": partial,
                    "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
-                   "also": a.also, "skip": a.skip,
+                   "also": a.also, "skip": a.skip, "int8": a.int8,
                    "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "update_mean_s",
@@ -407,7 +424,7 @@ def main() -> None:
         write_report(a.json, payload)
 
     report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
-               also=tuple(a.also), skip=tuple(a.skip), records=records))
+               also=tuple(a.also), skip=tuple(a.skip), records=records, int8=tuple(a.int8)))
 
 
 if __name__ == "__main__":

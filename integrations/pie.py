@@ -59,13 +59,16 @@ class EditResult:
 class EditSession:
     """A document (token ids [n]) and its cache (slot j = token j at position j after full/pie updates)."""
 
-    def __init__(self, model: torch.nn.Module, ids: Any, cache: PositionedCache | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, ids: Any, cache: PositionedCache | None = None,
+                 storage: str = "rotated") -> None:
+        """storage: of the cache built when none is given ("int8": quantized; new tokens are then encoded piece by
+        piece after what precedes them, and the blend / attn repairs refuse, since they rewrite slots)."""
         self.model = model
         self.ids = as_token_ids("EditSession ids", ids)
         if self.ids.numel() == 0:
             fail("EditSession ids", "at least one token", "an empty document")
         if cache is None:
-            cache = PositionedCache.from_model(model)
+            cache = PositionedCache.from_model(model, storage=storage)
             with torch.no_grad():
                 extend(model, cache, self.ids[None])
         elif cache.num_slots != self.ids.numel():
@@ -88,6 +91,9 @@ class EditSession:
         "pie+k64+tail512"; keyword overrides set its fields: k, tail, ratio, probe). The session moves to the new
         document."""
         asked = Strategy.parse(strategy, **overrides).check(self.layer_types)
+        if asked.repair is not None and self.cache.storage == "int8":
+            fail(f"EditSession strategy {asked}", "no blend / attn repair with storage='int8' (they rewrite slots)",
+                 asked.repair, "use k / tail re-encoding, or a session with storage 'rotated' or 'raw'")
         edits = normalize(edits, self.length)
         strat = asked.resolve(self.length, edits)
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
@@ -95,7 +101,7 @@ class EditSession:
             fail("edits", "a non-empty document after editing", "every token deleted")
         t0 = time.perf_counter()
         if strat.base == "full":
-            cache = PositionedCache.from_model(self.model)
+            cache = PositionedCache.from_model(self.model, storage=self.cache.storage)
             extend(self.model, cache, new_ids[None])
             enc, reused = new_ids.numel(), 0
         elif strat.base == "prefix":
@@ -139,8 +145,8 @@ class EditSession:
         """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old
         positions for naive) and placeholder slots for the new tokens, which ONE forward then encodes in place, each
         new token attending to every slot before it (causal over the new document)."""
-        if self._sliding and any(p.kind == "new" for p in pieces):
-            return self._splice_sequential(pieces, fix_positions)
+        if (self._sliding or self.cache.storage == "int8") and any(p.kind == "new" for p in pieces):
+            return self._splice_sequential(pieces, fix_positions)   # (int8 slots are written once, not rewritten)
         old = self.cache
         new = old.empty_like()
         new.reserve_(sum(p.length for p in pieces) + 16)

@@ -27,6 +27,7 @@ from kvpos.prompt import ChatPromptBuilder, PromptParts
 from kvpos.compose import LAYOUTS
 from kvpos.integrations.ape import ApeBackend
 from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
+from kvpos.cache import STORAGES
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
 __all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "FULL", "PREFIX"]
@@ -39,7 +40,10 @@ class RagMethod:
     it (the KV of the longest common token prefix with the previous prefix request is kept, the rest recomputed);
     "sequential" / "parallel": position-independent chunk reuse, with optional repairs: link_k (EPIC), recompute_ratio
     (CacheBlend), attn_ratio (query-aware: the question's attention over the composed cache picks that fraction of
-    the chunk tokens, re-encoded in context before the question runs) and optional APE attention (ape: ApeParams)."""
+    the chunk tokens, re-encoded in context before the question runs) and optional APE attention (ape: ApeParams).
+    storage: the request cache's PositionedCache storage ("rotated", "raw" or "int8": keys and values int8 in the
+    cache; with "full" it holds the prompt and the question runs on top of it); "int8" refuses repairs and APE (they
+    rewrite or re-read slots the quantized storage writes once)."""
 
     name: str
     layout: str = "sequential"
@@ -47,6 +51,7 @@ class RagMethod:
     recompute_ratio: float = 0.0
     ape: ApeParams | None = None
     attn_ratio: float = 0.0
+    storage: str = "rotated"
 
     def __post_init__(self) -> None:
         if self.layout not in ("full", "prefix", *LAYOUTS):
@@ -61,6 +66,13 @@ class RagMethod:
         if self.layout in ("full", "prefix") and (self.link_k or self.recompute_ratio or self.attn_ratio
                                                   or self.ape is not None):
             fail(f"RagMethod {self.name}", f"no repairs or APE with layout={self.layout!r} (it is exact)", self)
+        if self.storage not in STORAGES:
+            fail(f"RagMethod {self.name} storage", " or ".join(repr(x) for x in STORAGES), repr(self.storage))
+        if self.storage != "rotated" and self.layout == "prefix":
+            fail(f"RagMethod {self.name} storage", "'rotated' with layout='prefix' (the exact baseline)",
+                 repr(self.storage))
+        if self.storage == "int8" and (self.link_k or self.recompute_ratio or self.attn_ratio or self.ape is not None):
+            fail(f"RagMethod {self.name}", "no repairs or APE with storage='int8' (they rewrite slots)", self)
         if self.attn_ratio and self.layout != "sequential":
             fail(f"RagMethod {self.name} attn_ratio", "layout='sequential' (re-encoded tokens attend to everything "
                  "before them)", repr(self.layout))
@@ -115,7 +127,7 @@ class RagPipeline:
 
     def _request(self, parts: PromptParts, method: RagMethod) -> tuple[Any, Any]:
         cache, info = self.composer.compose(parts.chunks, layout=method.layout, link_k=method.link_k,
-                                            recompute_ratio=method.recompute_ratio)
+                                            recompute_ratio=method.recompute_ratio, storage=method.storage)
         if method.attn_ratio:
             plan = info.plan
             slots = plan.chunk_slots()
@@ -159,6 +171,10 @@ class RagPipeline:
         built by `method` from a fresh cache: the first-token distribution is row Q - 1."""
         extra = torch.zeros(0, dtype=torch.long) if extra is None else torch.as_tensor(extra, dtype=torch.long)
         q = torch.cat([parts.question, extra])
+        if not method.reuses and method.storage != "rotated":       # the question on top of the stored prompt
+            cache = PositionedCache.from_model(self.model, storage=method.storage)
+            extend(self.model, cache, torch.cat([parts.anchor, *parts.chunks])[None])
+            return extend(self.model, cache, q[None])
         if not method.reuses:                  # full and prefix are exact: the same logits
             ids = torch.cat([parts.full_ids(), extra[None]], 1)
             return self.model(ids).logits[:, ids.shape[1] - q.numel():]
@@ -176,8 +192,12 @@ class RagPipeline:
             if method.layout == "prefix":
                 cache, logits, reused = self._prefix_request(ids)
             else:
-                cache, reused = PositionedCache.from_model(self.model), 0
-                logits = extend(self.model, cache, ids[None])
+                cache, reused = PositionedCache.from_model(self.model, storage=method.storage), 0
+                if method.storage == "rotated":
+                    logits = extend(self.model, cache, ids[None])
+                else:                          # as `score`: the prompt stored, then the question on top of it
+                    extend(self.model, cache, ids[None, : ids.numel() - parts.question.numel()])
+                    logits = extend(self.model, cache, parts.question[None])
             first = int(logits[0, -1].argmax())
             ttft = time.perf_counter() - t0
             if method.layout == "prefix":

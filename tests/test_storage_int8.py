@@ -13,6 +13,7 @@ from kvpos._kernels import decode_q8_kernel
 from kvpos.integrations.hf import PositionedCache, extend
 from kvpos.integrations.hf.cache import register_pytree
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
+from kvpos.edits import Delete, Insert
 from kvpos.quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_ref, quantize_values
 from kvpos.reference import decode_q8_ref, dequant_q8_ref, rotate_ref
 from kvpos.rope import RopeLayout, cos_sin
@@ -372,3 +373,81 @@ def test_bytes_against_a_plain_cache(dtype, limit, T):
     c.append_raw_(kv, torch.arange(T))
     plain = 2 * 30 * 3 * T * 64 * torch.empty(0, dtype=dtype).element_size()
     assert c.nbytes() / plain <= limit
+
+
+# -- chunk reuse into int8 storage ---------------------------------------------------------------------------------------
+def test_compose_into_int8_storage_is_exact_while_everything_fits_the_tail():
+    from kvpos.integrations.compose import ChunkComposer
+    from test_compose import _reference, _setup
+
+    model, anchor, chunks, q = _setup()                   # 5 + ~20 tokens: all in the unquantized tail
+    cache, _ = ChunkComposer(model, anchor).compose([chunks[2], chunks[0], chunks[1]], storage="int8")
+    assert cache.storage == "int8" and cache.layers[0].q == 0
+    got = extend(model, cache, q)
+    ref = _reference(model, anchor, [chunks[2], chunks[0], chunks[1]], q, "sequential")
+    assert (got - ref[:, -4:]).abs().max() < 1e-4
+
+
+def test_compose_into_int8_storage_quantizes_what_the_float_cache_holds():
+    from kvpos.integrations.compose import ChunkComposer
+
+    model, cfg = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    anchor = torch.randint(3, 128, (5,), generator=g)
+    chunks = [torch.randint(3, 128, (40,), generator=g) for _ in range(3)]
+    cc = ChunkComposer(model, anchor)
+    float_cache, _ = cc.compose(chunks)
+    q8, _ = cc.compose(chunks, storage="int8")
+    q = q8.layers[0].q
+    assert q == 96 and q8.num_slots == 125 and q8.positions.tolist() == float_cache.positions.tolist()
+    _assert_holds(q8.raw_kv(), _reference_quantized(float_cache.raw_kv(), q), q)
+    with pytest.raises(ValueError, match="storage='int8'"):
+        cc.compose(chunks, link_k=4, storage="int8")
+
+
+def test_rag_methods_refuse_int8_with_repairs():
+    from kvpos.ape import ApeParams
+    from kvpos.integrations.rag import RagMethod
+
+    assert RagMethod("x", storage="int8").storage == "int8"
+    for kw in ({"link_k": 4}, {"recompute_ratio": 0.1}, {"attn_ratio": 0.1}, {"ape": ApeParams(0.9, 1.0)}):
+        with pytest.raises(ValueError, match="storage='int8'"):
+            RagMethod("x", storage="int8", **kw)
+    with pytest.raises(ValueError, match="storage"):
+        RagMethod("x", storage="int4")
+    with pytest.raises(ValueError, match="prefix"):
+        RagMethod("x", layout="prefix", storage="int8")
+
+
+# -- code edits on int8 storage ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["full", "prefix", "pie", "naive", "pie+k2+tail4"])
+@pytest.mark.parametrize("kind", ["insert", "delete", "multi"])
+def test_edits_on_int8_storage_equal_the_float_session_while_the_document_fits_the_tail(strategy, kind):
+    """A 20-token document lives in the unquantized tail, so every strategy must give the float session's numbers:
+    this checks the int8 edit path (pieces encoded one after another, kept pieces appended) exactly."""
+    from kvpos.integrations.pie import EditSession
+    from test_pie import EDIT_SETS, _doc, _probe
+
+    model = tiny_model("llama", num_hidden_layers=3)[0]
+    doc = _doc(1, 20)
+    f, q = EditSession(model, doc), EditSession(model, doc, storage="int8")
+    rf, rq = f.apply(EDIT_SETS[kind], strategy), q.apply(EDIT_SETS[kind], strategy)
+    assert q.cache.storage == "int8" and q.cache.layers[0].q == 0
+    assert torch.equal(f.ids, q.ids) and rf.tokens_encoded == rq.tokens_encoded
+    assert (_probe(f) - _probe(q)).abs().max() < 1e-4
+    assert torch.equal(f.generate(6), q.generate(6))
+
+
+def test_edits_on_int8_storage_beyond_the_tail_and_refused_repairs():
+    from kvpos.integrations.pie import EditSession
+
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    doc = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(4))
+    q = EditSession(model, doc, storage="int8")
+    q.apply([Insert(60, [5, 6, 7]), Delete(100, 104)], "pie")
+    assert q.length == 149 and q.cache.num_slots == 149 and q.cache.positions.tolist() == [list(range(149))]
+    assert q.cache.layers[0].q > 0 and q.generate(4).numel() == 4
+    before = q.cache.raw_kv()
+    with pytest.raises(ValueError, match="storage='int8'"):
+        q.apply([Insert(10, [9])], "pie+blend10")
+    assert _same(q.cache.raw_kv(), before) and q.length == 149
