@@ -532,8 +532,9 @@ class QuantSlotLayer(SlotLayer):
             return
         if n >= self.q:
             self.n = n
-        else:
-            self.n = self.q = n
+        else:       # later seals write codes from slot n on, which an earlier state (a rollback point) still reads:
+            self.n = self.q = n               # new slot buffers (copy-on-write), the old ones stay as they were
+            self._regrow_slots(self.capacity)
             self.kt, self.vt = self._new_tails()
 
     def dequant_keys(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:

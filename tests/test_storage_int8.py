@@ -451,3 +451,18 @@ def test_edits_on_int8_storage_beyond_the_tail_and_refused_repairs():
     with pytest.raises(ValueError, match="storage='int8'"):
         q.apply([Insert(10, [9])], "pie+blend10")
     assert _same(q.cache.raw_kv(), before) and q.length == 149
+
+
+def test_appending_block_restores_after_a_crop_into_sealed_slots_and_new_seals():
+    """A crop below the sealed slots followed by appends that seal again must not write into what the rollback
+    point reads (transformers' assisted decoding crops inside generate)."""
+    model, cfg, caches = _filled("llama", 150)          # q = 128
+    c = caches["int8"]
+    before = c.raw_kv()
+    with pytest.raises(KeyError), c.appending():
+        c.crop(-30)                                     # q = 120
+        _decode_steps(model, list(range(4, 44)), 120, cache=c)        # 40 tokens: seals [120, 152)
+        assert c.layers[0].q == 152
+        raise KeyError("stop")
+    assert _same(c.raw_kv(), before) and c.layers[0].q == 128 and c.num_slots == 150
+    _check_decode(model, cfg, c)
