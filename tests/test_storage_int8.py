@@ -4,6 +4,8 @@ References, independent of the code under test: `kvpos.quant.quantize_ref` (floa
 float64 decode oracle `decode_q8_ref`, storage="raw" (exact, tested against DynamicCache elsewhere) for the raw keys
 an int8 cache must have quantized, and transformers' own forward over a DynamicCache holding the reference
 quantization rotated by explicit matrices (`rotate_ref`)."""
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -466,3 +468,79 @@ def test_appending_block_restores_after_a_crop_into_sealed_slots_and_new_seals()
         raise KeyError("stop")
     assert _same(c.raw_kv(), before) and c.layers[0].q == 128 and c.num_slots == 150
     _check_decode(model, cfg, c)
+
+
+# -- random sequences: layer 0 against a raw-storage twin ----------------------------------------------------------------
+def _layer0_within_half_a_step(q8, raw, kmax):
+    """Layer 0's keys and values depend on the token and its position only, so the int8 cache and a raw twin fed
+    the same operations hold the same layer-0 raw KV up to quantization: every element within half a step of its
+    group (a key group's step is at most kmax / 127, kmax [B, H, 1, D] the channel's absmax over every token the
+    cache ever held; a value's, its token's absmax / 127), tail slots exactly."""
+    (k, v), (rk, rv) = q8.raw_kv()[0], raw.raw_kv()[0]
+    bound_k = kmax / 127 * 0.5 * (1 + 1e-3) + 1e-6
+    bound_v = rv.abs().amax(3, keepdim=True) / 127 * 0.5 * (1 + 1e-3) + 1e-6
+    assert bool(((k - rk).abs() <= bound_k).all()) and bool(((v - rv).abs() <= bound_v).all())
+    l0 = q8.layers[0]
+    assert torch.equal(k[:, :, l0.q:], rk[:, :, l0.q:]) and torch.equal(v[:, :, l0.q:], rv[:, :, l0.q:])
+
+
+@contextlib.contextmanager
+def _refusal(log):
+    try:
+        yield
+    except ValueError:
+        log.append(True)
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("KVPOS_INT8_SEEDS", "3"))))
+def test_random_operation_sequences_keep_layer0_within_quantization_of_a_raw_twin(seed):
+    import random
+
+    model, cfg = tiny_model("llama")
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    caches = {s: PositionedCache.from_model(model, storage=s) for s in ("raw", "int8")}
+    ids = torch.randint(3, 128, (2, 45), generator=g)
+    for c in caches.values():
+        extend(model, c, ids)
+    kmax = caches["raw"].raw_kv()[0][0].abs().amax(2, keepdim=True)
+    for step in range(25):
+        n = caches["raw"].num_slots
+        op = rnd.choice(["extend", "extend", "decode", "delete", "keep", "shift", "hide", "crop", "rows"])
+        a, b = sorted(rnd.sample(range(n + 1), 2))
+        b = min(b, a + n - 1)                                           # never delete every slot
+        new = torch.randint(3, 128, (2, rnd.choice([1, 2, 5, 40])), generator=g)
+        perm = sorted(rnd.sample(range(n), max(1, n - 5)))
+        if op == "keep" and rnd.random() < 0.5:
+            rnd.shuffle(perm)
+        close = rnd.random() < 0.5
+        refused = []
+        for c in caches.values():
+            with torch.no_grad(), _refusal(refused):
+                if op in ("extend", "decode"):
+                    extend(model, c, new if op == "extend" else new[:, :1])
+                elif op == "delete":
+                    c.delete_(a, b, close_gap=close)
+                elif op == "keep":
+                    c.keep_(perm)
+                elif op == "shift":
+                    c.shift_(a, b, 3)
+                elif op == "hide":
+                    c.hide_(a, b)
+                elif op == "crop":
+                    c.crop(-min(b - a, n - 1))
+                else:
+                    c.reorder_rows_([1, 0])
+        assert refused in ([], [True, True]), refused                   # both refuse, or neither
+        kmax = kmax[[1, 0]] if op == "rows" and not refused else kmax
+        kmax = torch.maximum(kmax, caches["raw"].raw_kv()[0][0].abs().amax(2, keepdim=True))
+        assert caches["int8"].positions.tolist() == caches["raw"].positions.tolist()
+        assert caches["int8"].visible.tolist() == caches["raw"].visible.tolist()
+        _layer0_within_half_a_step(caches["int8"], caches["raw"], kmax)
+    q8 = caches["int8"]
+    ref = q8.copy()
+    ref.read = "torch"
+    nxt = q8.next_position()
+    x = extend(model, q8, torch.tensor([[7], [8]]))
+    y = extend(model, ref, torch.tensor([[7], [8]]))
+    assert (x - y).abs().max() < 1e-4 and int(q8.next_position()[0]) == int(nxt[0]) + 1
