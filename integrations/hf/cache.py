@@ -201,11 +201,14 @@ class PositionedCache(PositionedKV, Cache):
 
     Memory: storage="rotated" (default) keeps raw keys + rotated keys + values (1.5x a DynamicCache), buffers
     growing geometrically (no per-step cat); storage="raw" keeps raw keys + values (the size of a DynamicCache) and
-    rotates keys on read. How raw keys are read (`read`):
+    rotates keys on read; storage="int8" keeps them as int8 codes (`kvpos.cache.QuantSlotLayer`: keys per channel
+    over 32-token groups, values per token, the newest <= 32 tokens unquantized; ~0.28x an fp32 DynamicCache,
+    approximate; no recompute forwards, no torch.compile). How raw keys are read (`read`):
       "auto" (default): decode steps (one token per row) hand the raw keys to the "kvpos" attention (from_model
           switches an SDPA model to it), whose fused C kernel rotates each key in registers while it scores it
-          (`kvpos._kernels.decode_raw_kernel`); other forwards, and calls the kernel cannot serve, rotate the layer
-          into a per-forward scratch buffer and run SDPA. `cache.read_counts` counts layer reads by path.
+          (`kvpos._kernels.decode_raw_kernel`; int8: `decode_q8_kernel`, which also dequantizes in registers);
+          other forwards, and calls the kernel cannot serve, rotate (int8: dequantize and rotate) the layer into
+          per-forward scratch buffers and run SDPA. `cache.read_counts` counts layer reads by path.
       "torch": always the scratch buffer + SDPA (the reference path).
       "fused": decode steps must take the kernel: a step it cannot serve raises (the cache keeps its slots).
 
