@@ -35,8 +35,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from ._checks import as_positions, check_int, check_range, check_slot_index, fail
+from ._kernels import decode_q8_kernel, decode_raw_kernel
 from .quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
-from .rope import RopeSpec, _apply, _apply_many, cos_sin
+from .rope import RopeLayout, RopeSpec, _apply, _apply_many, cos_sin
 
 __all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
            "STORAGES"]
@@ -932,6 +933,20 @@ class PositionedKV:
         n = l.n
         return dict(codes=l.raw_k[:, :, :n], rows=l.rows[:n], ks=l.ks, kt=l.kt, vcodes=l.v[:, :, :n],
                     vs=l.vs[:, :, :n], vt=l.vt, q=l.q, cos=cos, sin=sin)
+
+    def decode_fused(self, index: int, state: "_ReadState | None", q: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor | None:
+        """Attention of one query token per row q [B, Hq, D] over layer `index` by the fused kernel of this storage
+        (raw keys rotated in registers; int8: dequantized and rotated in registers): [B, Hq, D] float32, or None
+        where the kernel cannot serve. mask: None or additive float32 [B|1, T]."""
+        spec = self.layers[index].spec
+        inter = spec.layout is RopeLayout.INTERLEAVED
+        if self.storage == "int8":
+            d = self.quant_read(index, state)
+            return decode_q8_kernel(q, d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"], d["vs"],
+                                    d["vt"], d["cos"], d["sin"], mask, scale, spec.rotary_dim, inter)
+        k, v, cos, sin = self.raw_read(index, state)
+        return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)
 
     def holds_keys(self, index: int, keys: torch.Tensor) -> bool:
         """Whether `keys` are layer `index`'s keys as this cache handed them to attention (same storage)."""

@@ -8,6 +8,8 @@ import contextlib
 
 import pytest
 import torch
+
+import kvpos.cache
 from transformers import DynamicCache
 
 from kvpos import PositionedKV
@@ -323,13 +325,12 @@ def test_appending_block_restores_after_whole_steps():
 
 
 def test_fused_refusal_and_auto_fallback(monkeypatch):
-    from kvpos.integrations.hf import attention
     model, cfg, caches = _filled("llama", 100)
     c = caches["int8"]
     strict = c.copy()
     strict.read = "fused"
     before = strict.raw_kv()
-    monkeypatch.setattr(attention, "decode_q8_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(kvpos.cache, "decode_q8_kernel", lambda *a, **k: None)
     with pytest.raises(ValueError, match="fused"), torch.no_grad():
         model(torch.tensor([[9]]), position_ids=torch.tensor([[100]]), cache=strict, use_cache=True)
     assert _same(strict.raw_kv(), before) and strict.num_slots == 100

@@ -25,9 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpos._checks import fail
-from kvpos._kernels import decode_q8_kernel, decode_raw_kernel
 from kvpos.cache import PositionedKV
-from kvpos.rope import RopeLayout
 
 __all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "bind_attention", "current_binding",
            "allowed_from_mask", "layers_heads", "RawRead", "hand_raw_keys", "uses_kvpos_attention",
@@ -181,19 +179,10 @@ def _raw_attention(read: RawRead, module: torch.nn.Module, query: torch.Tensor, 
     why = _why_not_fused(module, query, value, attention_mask, dropout, kwargs)
     out = None
     if why is None:
-        cache = read.cache
-        spec = cache.layers[read.layer].spec
         sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        inter = spec.layout is RopeLayout.INTERLEAVED
-        if cache.storage == "int8":
-            d = cache.quant_read(read.layer, read.state)
-            mask = _additive_mask(attention_mask, d["codes"].shape[2])
-            out = decode_q8_kernel(query[:, :, 0], d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"],
-                                   d["vs"], d["vt"], d["cos"], d["sin"], mask, sm, spec.rotary_dim, inter)
-        else:
-            k, v, cos, sin = cache.raw_read(read.layer, read.state)
-            out = decode_raw_kernel(query[:, :, 0], k, v, cos, sin, _additive_mask(attention_mask, k.shape[2]), sm,
-                                    spec.rotary_dim, inter)
+        cache = read.cache
+        out = cache.decode_fused(read.layer, read.state, query[:, :, 0],
+                                 _additive_mask(attention_mask, cache.layers[read.layer].n), sm)
         why = None if out is not None else "the kernel cannot serve these tensors (kvpos._kernels.kernel_status())"
     if out is None and read.strict:
         read.cache._drop_tail_(read.n0)
