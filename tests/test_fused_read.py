@@ -6,10 +6,9 @@ storage after position operations. Each test also checks which path served (`rea
 the buffer path fails."""
 import pytest
 import torch
-
-import kvpos.cache
 from transformers import DynamicCache
 
+import kvpos.cache
 from kvpos._kernels import decode_raw_kernel, rope_kernel_available
 from kvpos.integrations.hf import PositionedCache
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
