@@ -42,7 +42,7 @@ from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, norm
     with_tail
 from kvpos.integrations.compose import AttentionMassProbe, blend_recompute, recompute_slots
 from kvpos.integrations.hf import PositionedCache, additive_mask, bind_attention, extend, generate
-from kvpos.integrations.hf.run import cache_kwarg
+from kvpos.integrations.hf.run import cache_kwarg, takes_logits_to_keep
 
 __all__ = ["EditSession", "EditResult", "attention_mass"]
 
@@ -70,7 +70,7 @@ class EditSession:
         if cache is None:
             cache = PositionedCache.from_model(model, storage=storage)
             with torch.no_grad():
-                extend(model, cache, self.ids[None])
+                extend(model, cache, self.ids[None], last_logits=takes_logits_to_keep(model.forward))
         elif cache.num_slots != self.ids.numel():
             fail("EditSession cache", f"{self.ids.numel()} slots (one per token)", cache.num_slots)
         self.cache = cache
@@ -102,7 +102,7 @@ class EditSession:
         t0 = time.perf_counter()
         if strat.base == "full":
             cache = PositionedCache.from_model(self.model, storage=self.cache.storage)
-            extend(self.model, cache, new_ids[None])
+            extend(self.model, cache, new_ids[None], last_logits=self._last)
             enc, reused = new_ids.numel(), 0
         elif strat.base == "prefix":
             cache, enc, reused = self._recompute_from(edits[0].start if edits else self.length, new_ids)
@@ -130,7 +130,8 @@ class EditSession:
         cache = self.cache.copy(headroom=max(0, new_ids.numel() - first))
         cache.delete_(first, cache.num_slots)
         if first < new_ids.numel():
-            extend(self.model, cache, new_ids[None, first:], positions=torch.arange(first, new_ids.numel()))
+            extend(self.model, cache, new_ids[None, first:], positions=torch.arange(first, new_ids.numel()),
+                   last_logits=self._last)
         return cache, int(new_ids.numel() - first), first
 
     def apply_text(self, tokenizer: Any, new_text: str, strategy: str | Strategy = "pie",
@@ -170,6 +171,11 @@ class EditSession:
         return new, enc, reused
 
     @property
+    def _last(self) -> bool:
+        """Fill the cache without the LM head on every position (the update needs no logits)."""
+        return takes_logits_to_keep(self.model.forward)
+
+    @property
     def _sliding(self) -> bool:
         """Models with sliding-window layers: one 4-D mask cannot express the window, so edits are encoded one
         after another with transformers' own masks (new tokens last, so slot distance = position distance)."""
@@ -184,8 +190,8 @@ class EditSession:
             if p.kind == "keep":
                 reused += _append_kept(old, new, p, fix_positions)
             else:
-                extend(self.model, new, torch.tensor([p.ids]), positions=torch.arange(p.new_start,
-                                                                                        p.new_start + p.length))
+                extend(self.model, new, torch.tensor([p.ids]),
+                       positions=torch.arange(p.new_start, p.new_start + p.length), last_logits=self._last)
                 enc += p.length
         return new, enc, reused
 

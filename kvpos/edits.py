@@ -21,7 +21,7 @@ import torch
 from ._checks import check_int, fail
 
 __all__ = ["Insert", "Delete", "Replace", "Edit", "normalize", "apply_edits", "diff_tokens", "widen", "with_tail",
-           "plan", "Piece", "stale_slots", "Strategy", "BASES", "REPAIRS"]
+           "plan", "Piece", "stale_slots", "Strategy", "BASES", "REPAIRS", "pie_tokens"]
 
 
 def _ids_list(what: str, ids: Iterable[int]) -> tuple[int, ...]:
@@ -193,9 +193,9 @@ BASES = ("full", "pie", "naive", "prefix", "auto")
 REPAIRS = ("blend", "attn")
 _GRAMMAR = re.compile(r"(?P<base>full|naive|pie|prefix|auto)(?:\+r(?P<r>\d+))?(?:\+k(?P<k>\d+)?)?"
                       r"(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?"
-                      r"(?:\+c(?P<c>\d+))?")
+                      r"(?:\+c(?P<c>\d+))?(?:\+b(?P<b>\d+))?")
 _HELP = ("full | prefix | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] | "
-         "auto[+r<R>][+k<K>][+tail<T>][+c<C>] (P = percent of the stale tokens, e.g. pie+k64+tail512, "
+         "auto[+r<R>][+k<K>][+tail<T>][+c<C> | +b<B>] (B = percent of prefix's tokens PIE may re-encode; P = percent of the stale tokens, e.g. pie+k64+tail512, "
          "pie+attn25+probe32)")
 # auto's rule, fitted on a calibration split (pie_eval --seed 1, 50 samples: 17 insertion / 17 deletion / 16 multi),
 # never on evaluated samples (seed 0): results/pie_calib2_seed1.md. Of the four candidates there, those agreeing with
@@ -204,7 +204,8 @@ _HELP = ("full | prefix | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe
 AUTO_PREFIX_MAX = 768     # recompute from the first edit (exact) when at most this many tokens follow it
 AUTO_K = 64               # otherwise PIE, re-encoding the K tokens after every edit ...
 AUTO_TAIL = 384           # ... and the last T tokens of the document,
-AUTO_COVER = 1024         # ... extended back to the last edit when at most C tokens follow it            # ... extended back to the last edit when at most C tokens follow it
+AUTO_COVER = 1024         # ... extended back to the last edit when at most C tokens follow it
+AUTO_BUDGET_MIN_TAIL = 128  # auto+b<B>: the shortest tail worth a PIE update (else prefix)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ class Strategy:
     tail: int = 0
     prefix_max: int = 0
     cover: int = 0
+    budget: float = 0.0
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
@@ -255,10 +257,17 @@ class Strategy:
         if self.base != "auto" and (self.prefix_max or self.cover):
             fail(f"strategy {self.base}", "no +r / +c (thresholds of auto)",
                  f"prefix_max={self.prefix_max}, cover={self.cover}")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= float(b) < 1.0:
+            fail("strategy budget", "a fraction in [0, 1) of prefix's tokens", b)
+        object.__setattr__(self, "budget", float(b))
+        if self.budget and (self.base != "auto" or self.cover):
+            fail(f"strategy {self.base}", "a budget (+b) on auto only, without +c (the budget places the tail)",
+                 f"budget={self.budget}, cover={self.cover}")
 
     def _raw(self) -> str:
         return (f"{self.base} k={self.k} repair={self.repair} ratio={self.ratio} probe={self.probe} tail={self.tail} "
-                f"prefix_max={self.prefix_max} cover={self.cover}")
+                f"prefix_max={self.prefix_max} cover={self.cover} budget={self.budget}")
 
     @classmethod
     def parse(cls, spec: "str | Strategy", **overrides: Any) -> "Strategy":
@@ -279,6 +288,12 @@ class Strategy:
             kw["prefix_max"] = int(m["r"])
         if m["c"] is not None:
             kw["cover"] = int(m["c"])
+        if m["b"] is not None:
+            pct = int(m["b"])
+            if m["base"] != "auto" or m["c"] is not None or not 0 < pct < 100:
+                fail("strategy", "+b<B> (1..99) on auto only and without +c", repr(spec))
+            kw.update(budget=pct / 100, cover=0, prefix_max=int(m["r"]) if m["r"] is not None else 0,
+                      tail=int(m["tail"]) if m["tail"] else AUTO_BUDGET_MIN_TAIL)
         if "+k" in spec:
             kw["k"] = int(m["k"]) if m["k"] else 8
         if m["repair"]:
@@ -299,7 +314,8 @@ class Strategy:
     def __str__(self) -> str:
         out = self.base
         if self.base == "auto":
-            return f"auto+r{self.prefix_max}+k{self.k}+tail{self.tail}" + (f"+c{self.cover}" if self.cover else "")
+            return (f"auto+r{self.prefix_max}+k{self.k}+tail{self.tail}" + (f"+c{self.cover}" if self.cover else "")
+                    + (f"+b{round(100 * self.budget)}" if self.budget else ""))
         if self.k:
             out += f"+k{self.k}"
         if self.repair:
@@ -335,6 +351,30 @@ class Strategy:
         n_new = n + sum(e.delta for e in norm)
         if n_new - norm[0].start <= self.prefix_max:
             return Strategy("prefix")
+        if self.budget:
+            return self._within_budget(n, norm, n_new - norm[0].start)
         after_last = n - norm[-1].start            # old-document tokens from the last edit on (with_tail counts so)
         tail = max(self.tail, after_last) if after_last <= self.cover else self.tail
         return Strategy("pie", k=self.k, tail=tail)
+
+    def _within_budget(self, n: int, norm: list[Replace], prefix_tokens: int) -> "Strategy":
+        """auto+b: PIE + k with the longest tail (>= `tail`) whose tokens stay within `budget` x prefix's tokens;
+        prefix when even the shortest tail does not fit (so near edits, cheap to recompute, are exact)."""
+        cap = self.budget * prefix_tokens
+        if pie_tokens(n, norm, self.k, self.tail) > cap:
+            return Strategy("prefix")
+        lo, hi = self.tail, n                       # pie_tokens grows with the tail: the largest t that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pie_tokens(n, norm, self.k, mid) <= cap else (lo, mid - 1)
+        return Strategy("pie", k=self.k, tail=lo)
+
+
+def pie_tokens(n: int, edits: Sequence[Replace], k: int, tail: int) -> int:
+    """Tokens pie+k<k>+tail<tail> re-encodes for these edits of an n-token document (new tokens, the k after every
+    edit, the tail): the cost `auto+b` budgets, computed from positions alone."""
+    ids = range(n)
+    out = widen(ids, edits, k) if k else normalize(edits, n)
+    if tail:
+        out = with_tail(ids, out, tail)
+    return sum(len(e.ids) for e in out)

@@ -257,3 +257,31 @@ def test_adapter_error_paths():
     with pytest.raises(ValueError, match=r"cache.update layer 1: position_ids: expected \[B\|1, S\] = \[1\|1, 4\] for 4 new keys, got \(1, 3\)"):
         cache.layers[1].update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                kwargs={"position_ids": torch.arange(3)[None]})
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_extend_last_logits_equals_the_last_row_and_fills_the_same_cache(name):
+    """last_logits=True runs the LM head on the last position only: its logits equal the last row of a plain extend,
+    and the cache it fills equals the plain one (the head is not part of the KV)."""
+    model, _ = tiny_model(name)
+    ids = torch.randint(3, 128, (1, 9))
+    plain, last = PositionedCache.from_model(model), PositionedCache.from_model(model)
+    with torch.no_grad():
+        a = extend(model, plain, ids)
+        b = extend(model, last, ids, last_logits=True)
+    assert a.shape[1] == 9 and b.shape[1] == 1
+    torch.testing.assert_close(b[:, 0], a[:, -1])
+    for la, lb in zip(plain.layers, last.layers):
+        torch.testing.assert_close(la.raw_k[:, :, :9], lb.raw_k[:, :, :9])
+        torch.testing.assert_close(la.v[:, :, :9], lb.v[:, :, :9])
+
+
+def test_extend_last_logits_refuses_a_forward_without_logits_to_keep():
+    from kvpos.integrations.hf.run import logits_kwargs
+
+    def forward(input_ids, cache=None):
+        return None
+
+    assert logits_kwargs(forward, False) == {}
+    with pytest.raises(ValueError, match="last_logits: expected a model whose forward takes logits_to_keep"):
+        logits_kwargs(forward, True)

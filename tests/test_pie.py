@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kvpos.edits import Delete, Insert, Replace, apply_edits, diff_tokens, normalize, plan, widen, with_tail
+from kvpos.edits import Delete, Insert, Replace, Strategy, apply_edits, diff_tokens, normalize, pie_tokens, plan, widen, \
+    with_tail
 from kvpos.integrations.hf import PositionedCache, extend
 from kvpos.integrations.pie import EditSession, attention_mass
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
@@ -314,3 +315,42 @@ def test_auto_cover_recomputes_everything_after_the_last_edit():
     ref = EditSession(model, doc)
     ref.apply(edits, "pie+tail10")
     assert (_probe(ref) - _probe(auto)).abs().max() == 0
+
+
+def test_pie_tokens_counts_what_the_session_encodes():
+    """pie_tokens (positions only) equals the tokens a pie+k+tail update re-encodes, edits inside the tail merged."""
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    doc = _doc(9, 60)
+    for edits in ([Insert(5, [1, 2, 3])], [Delete(10, 14), Insert(40, [7])], [Replace(50, 52, [4]), Insert(8, [5])]):
+        for k, tail in ((0, 0), (4, 0), (0, 9), (6, 25), (3, 60)):
+            r = EditSession(model, doc).apply(edits, f"pie+k{k}+tail{tail}" if k else f"pie+tail{tail}")
+            assert pie_tokens(60, normalize(edits, 60), k, tail) == r.tokens_encoded, (edits, k, tail)
+
+
+def test_auto_budget_takes_the_longest_tail_that_fits_or_prefix():
+    """auto+b<B>: the longest tail whose PIE tokens stay within B% of prefix's; prefix when the shortest tail does
+    not fit; the choice is exact arithmetic on positions, checked against pie_tokens by brute force."""
+    n = 1000
+    far, near = [Insert(100, [1] * 10)], [Insert(900, [1] * 10)]
+    s = Strategy.parse("auto+k8+tail16+b30")
+    assert (s.prefix_max, s.k, s.tail, s.cover, s.budget) == (0, 8, 16, 0, 0.3)
+    assert str(s) == "auto+r0+k8+tail16+b30"
+    got = s.resolve(n, far)
+    cap = 0.3 * (n + 10 - 100)
+    best = max(t for t in range(16, n + 1) if pie_tokens(n, far, 8, t) <= cap)
+    assert got == Strategy("pie", k=8, tail=best) and pie_tokens(n, far, 8, best + 1) > cap
+    assert s.resolve(n, near) == Strategy("prefix")                   # 10 + 8 + 16 > 0.3 x 110
+    assert Strategy.parse("auto+b35").tail == 128 and Strategy.parse("auto+r64+b35").prefix_max == 64
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    doc = _doc(6, 40)
+    r = EditSession(model, doc).apply([Insert(3, [5, 6])], "auto+k2+tail3+b50")
+    assert r.strategy.startswith("auto+r0+k2+tail3+b50->pie+k2+tail") and r.tokens_encoded <= 0.5 * (42 - 3)
+
+
+@pytest.mark.parametrize("spec, match", [("auto+c8+b30", "without \\+c"), ("pie+b30", "expected"),
+                                         ("auto+b0", "1..99"), ("auto+b100", "1..99")])
+def test_auto_budget_refusals(spec, match):
+    with pytest.raises(ValueError, match=match):
+        Strategy.parse(spec)
+    with pytest.raises(ValueError, match="strategy budget: expected a fraction in \\[0, 1\\)"):
+        Strategy("auto", budget=1.5)
