@@ -31,6 +31,9 @@ The JSON also holds "records" (one per sample: task, file, line, token edits, to
 the last edit and the cursor, each strategy's predicted line) and "by_distance" (agreement with full per strategy,
 binned by to_cursor per task and for all; also a second markdown table and <json>_distance.png).
 --report JSON re-renders a finished run's tables and plots from its saved records, without the model.
+--resume continues the run saved in --json (checkpoints are written every 25 samples): the same settings give the same
+samples, the saved ones are kept (checked by task, file and line), the rest are run; a 200-per-task run (~3 h on two
+cores) can so be spread over several sittings. Ratios are per sample, side by side, within whichever sitting ran it.
 Default corpus: the fixed list STDLIB_FILES of Python standard-library modules found on this machine.
 """
 from __future__ import annotations
@@ -65,7 +68,8 @@ STDLIB_FILES = [
 ]
 STRATEGIES = ["full", "prefix", "pie", "naive", "pie+k"]
 SKIPPABLE = STRATEGIES[2:]          # full is the reference of every agreement, prefix (exact) the reference of cost
-DIST_BINS = (0, 64, 256, 1024)      # tokens between the end of the last edit and the cursor: [0,64) [64,256) ...
+DIST_BINS = (0, 64, 256, 1024)
+RESUME_DEFAULTS = {"max_new": 40, "int8": []}    # settings older JSONs did not save, at their values then      # tokens between the end of the last edit and the cursor: [0,64) [64,256) ...
 
 
 def corpus_files(corpus: str | None) -> list[str]:
@@ -231,8 +235,7 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
     sample is appended to it: task, file, line, number of token edits, `to_cursor` (untouched tokens between the end
     of the last edit and the cursor), the target and each strategy's predicted line."""
     names = strategy_names(ks, tail, blend, also, skip, int8)
-    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n, _ in names}
-           for t in ("insertion", "deletion", "multi")}
+    res = scores_from_records(records or [], [n for n, _ in names])
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
             checkpoint(summarize(res), partial=True)
@@ -249,12 +252,7 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
             gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
             pred = predicted_line(tok.decode(gen))
             preds[name] = pred
-            d = res[smp["task"]][name]
-            d["em"].append(pred.strip() == smp["target"].strip())
-            d["es"].append(edit_similarity(pred, smp["target"]))
-            d["agree"].append(pred == preds["full"])
-            d["t"].append(r.update_s)
-            d["enc"].append(r.tokens_encoded)
+            _score(res[smp["task"]][name], pred, smp["target"], preds["full"], r.update_s, r.tokens_encoded)
             times[name], enc[name] = r.update_s, r.tokens_encoded
             if "->" in r.strategy:
                 chosen[name] = r.strategy.split("->", 1)[1]
@@ -266,6 +264,53 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
                             "to_first": n_new - first_new, "target": smp["target"], "pred": preds,
                             "update_s": times, "tokens_encoded": enc, "chosen": chosen})
     return summarize(res)
+
+
+def _score(d: dict, pred: str, target: str, full: str, t: float, enc: int) -> None:
+    d["em"].append(pred.strip() == target.strip())
+    d["es"].append(edit_similarity(pred, target))
+    d["agree"].append(pred == full)
+    d["t"].append(t)
+    d["enc"].append(enc)
+
+
+def scores_from_records(records: list[dict], names: list[str]) -> dict:
+    """run()'s per-task score lists rebuilt from saved records (a resumed run continues from them). Raises
+    SystemExit when a record lacks one of the strategies `names`."""
+    res = {t: {n: {"em": [], "es": [], "agree": [], "t": [], "enc": []} for n in names}
+           for t in ("insertion", "deletion", "multi")}
+    for i, rec in enumerate(records):
+        missing = sorted(set(names) - set(rec["pred"]))
+        if missing:
+            raise SystemExit(f"--resume: expected records with every strategy of this run, got record {i} "
+                             f"without {missing}")
+        for n in names:
+            _score(res[rec["task"]][n], rec["pred"][n], rec["target"], rec["pred"]["full"],
+                   rec["update_s"][n], rec["tokens_encoded"][n])
+    return res
+
+
+def resume_records(path: str, settings: dict, samples: list[dict]) -> list[dict]:
+    """The records of an earlier run of the same settings (seed, samples, strategies, ...) whose samples are the
+    first of `samples` (checked by task, file and line); the run continues after them. SystemExit otherwise."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume: expected a pie_eval JSON written with --json, got {path!r} (no such file)")
+    with open(path) as f:
+        old = json.load(f)
+    if not isinstance(old, dict) or "records" not in old:
+        raise SystemExit(f"--resume: expected a pie_eval JSON with 'records', got {path!r} without them")
+    diff = {k: (old.get(k, RESUME_DEFAULTS.get(k)), v) for k, v in settings.items()
+            if old.get(k, RESUME_DEFAULTS.get(k)) != v}
+    if diff:
+        raise SystemExit(f"--resume: expected the settings of {path} (saved, given): got {diff}")
+    recs = old["records"]
+    for i, (rec, smp) in enumerate(zip(recs, samples)):
+        if (rec["task"], rec["path"], rec["line"]) != (smp["task"], smp["path"], smp["line"]):
+            raise SystemExit(f"--resume: expected saved sample {i} to be this run's ({smp['task']} {smp['path']}:"
+                             f"{smp['line']}), got {rec['task']} {rec['path']}:{rec['line']}")
+    if len(recs) > len(samples):
+        raise SystemExit(f"--resume: expected at most {len(samples)} saved samples, got {len(recs)}")
+    return recs
 
 
 def by_distance(records: list[dict], bins: tuple[int, ...] = DIST_BINS) -> list[dict]:
@@ -378,6 +423,9 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run saved in --json (same settings): its finished samples are kept, the "
+                         "rest are run, and the tables cover all")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="no run: re-render the tables and plots of a finished run from its saved records")
     a = ap.parse_args()
@@ -407,14 +455,17 @@ def main() -> None:
                 per_task[task].append(s)
     # interleave the tasks so that checkpoints written during the run cover every task
     samples = [per_task[t][i] for i in range(a.samples) for t in a.tasks]
-    records: list[dict] = []
+    settings = {"samples": a.samples, "seed": a.seed, "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail,
+                "blend": a.blend, "also": a.also, "skip": a.skip, "int8": a.int8, "max_new": a.max_new,
+                "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES)}
+    if a.resume and not a.json:
+        raise SystemExit("--resume: expected --json naming the run to continue, got none")
+    records: list[dict] = resume_records(a.json, settings, samples) if a.resume else []
+    done = len(records)
 
     def report(res: dict, partial: bool = False) -> None:
-        payload = {"model": getattr(model, "name_or_path", "?"), "samples": a.samples, "seed": a.seed,
-                   "partial": partial,
-                   "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail, "blend": a.blend,
-                   "also": a.also, "skip": a.skip, "int8": a.int8,
-                   "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES), "machine": machine(),
+        payload = {"model": getattr(model, "name_or_path", "?"), **settings, "partial": partial,
+                   "resumed_at": done if a.resume else None, "machine": machine(),
                    "tasks": {t: {s: {kk: m[kk] for kk in ("em", "es", "agree_full", "update_s",
                                                           "update_ratio_vs_full", "update_mean_s",
                                                           "mean_ratio_vs_prefix", "mean_ratio_vs_full",
@@ -423,7 +474,7 @@ def main() -> None:
                    "by_distance": by_distance(records), "records": records}
         write_report(a.json, payload)
 
-    report(run(model, tok, samples, a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
+    report(run(model, tok, samples[done:], a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
                also=tuple(a.also), skip=tuple(a.skip), records=records, int8=tuple(a.int8)))
 
 

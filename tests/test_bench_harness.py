@@ -130,3 +130,38 @@ def test_pie_eval_report_rerenders_a_saved_run(tmp_path):
     for p in (bad, tmp_path / "missing.json"):
         with pytest.raises(SystemExit, match="--report"):
             pie_eval.rerender(str(p))
+
+
+def test_pie_eval_resume_continues_a_saved_run_and_refuses_another(tmp_path):
+    """--resume: the saved records are the first samples of this run (same settings), run() continues after them,
+    and the tables cover all: agreement and tokens equal an uninterrupted run's."""
+    model = tiny_model("llama")[0]
+    tok = _CharTok()
+    doc = [f"v{i} = {i}" for i in range(12)]
+    samples = []
+    for k in (2, 5, 9):
+        old = list(doc)
+        del old[k]
+        samples.append({"path": "f.py", "line": k, "old": "\n".join(old), "new": "\n".join(doc), "target": "v1 = 1",
+                        "task": "insertion"})
+    whole: list = []
+    ref = pie_eval.run(model, tok, samples, [4], max_new=6, skip=("naive",), records=whole)
+    settings = {"samples": 3, "seed": 0, "also": []}
+    path = tmp_path / "run.json"
+    path.write_text(pie_eval.json.dumps({**settings, "records": whole[:2], "partial": True}))
+    recs = pie_eval.resume_records(str(path), settings, samples)
+    assert len(recs) == 2
+    res = pie_eval.run(model, tok, samples[2:], [4], max_new=6, skip=("naive",), records=recs)
+    assert len(recs) == 3 and [r["line"] for r in recs] == [2, 5, 9]
+    for s in ref["insertion"]:
+        for key in ("n", "em", "es", "agree_full", "tokens_encoded"):
+            assert res["insertion"][s][key] == ref["insertion"][s][key], (s, key)
+    with pytest.raises(SystemExit, match=r"--resume: expected the settings of .*'seed': \(0, 1\)"):
+        pie_eval.resume_records(str(path), {**settings, "seed": 1}, samples)
+    with pytest.raises(SystemExit, match="--resume: expected saved sample 0 to be this run's"):
+        pie_eval.resume_records(str(path), settings, samples[1:])
+    with pytest.raises(SystemExit, match="without \\['pie\\+k'\\]"):
+        pie_eval.scores_from_records([{**whole[0], "pred": {"full": "", "prefix": "", "pie": ""}}],
+                                     ["full", "prefix", "pie", "pie+k"])
+    with pytest.raises(SystemExit, match="no such file"):
+        pie_eval.resume_records(str(tmp_path / "none.json"), settings, samples)
