@@ -5,7 +5,9 @@ Strategies are kvpos.edits.Strategy values (or their spec strings, one grammar e
   prefix  keep the KV before the first edited token, recompute everything after it: exact, and what every serving
           engine does (vLLM, SGLang, llama.cpp); its cost is the tokens that follow the first edit
   auto    per edit, prefix when few tokens follow the first edit, else pie+k<K>+tail<T> (kvpos.edits.Strategy.resolve;
-          its parameters come from a calibration split, results/pie_auto_calibration.md)
+          its parameters come from a calibration split, results/pie_calib2_seed1.md)
+  auto+b<B>  a cost target: pie+k with the longest tail whose tokens stay within B% of what prefix would encode,
+          prefix when even the shortest tail (128) does not fit
   pie     Positional Integrity Encoding: keep the untouched segments' KV, move each by its cumulative shift (one
           rotation of the raw keys, values unchanged), encode only the new tokens on top of what precedes them
   naive   "conflict fast" reuse: splice the encoded new tokens in and leave the old positions as they were
