@@ -165,3 +165,27 @@ def test_pie_eval_resume_continues_a_saved_run_and_refuses_another(tmp_path):
                                      ["full", "prefix", "pie", "pie+k"])
     with pytest.raises(SystemExit, match="no such file"):
         pie_eval.resume_records(str(tmp_path / "none.json"), settings, samples)
+
+
+def test_pie_frontier_reads_each_rule_from_the_branch_it_takes(tmp_path):
+    """prefix when its tokens <= lambda x the strategy's: agreement, tokens and time come from that branch's record."""
+    import pie_frontier
+
+    def rec(task, tp, ts, ok, up=1.0, us=0.25):
+        return {"task": task, "pred": {"full": "a", "prefix": "a", "pie+tail8": "a" if ok else "b"},
+                "tokens_encoded": {"full": 100, "prefix": tp, "pie+tail8": ts}, "update_s": {"full": 2.0,
+                "prefix": up, "pie+tail8": us}}
+    recs = [rec("insertion", 10, 20, False), rec("insertion", 90, 20, True, up=3.0)]
+    assert pie_frontier.rule_outcome(recs[0], "pie+tail8", 1.0) == (True, 10, 1.0)      # prefix is cheaper: taken
+    assert pie_frontier.rule_outcome(recs[0], "pie+tail8", 0.0) == (False, 20, 0.25)    # lambda 0: the strategy
+    rows = pie_frontier.evaluate(recs, [0.0, 1.0])
+    assert [(r["lambda"], r["agree"], r["token_ratio"], r["time_ratio"]) for r in rows] == [
+        (0.0, 50.0, 40 / 100, 0.5 / 4.0), (1.0, 100.0, 30 / 100, 1.25 / 4.0)]
+    summary = pie_frontier.rules(rows, 95.0, 0.5)
+    assert summary[0]["lambda"] == 1.0 and summary[0]["meets_target"] and not summary[1]["meets_target"]
+    path = tmp_path / "run.json"
+    path.write_text(pie_eval.json.dumps({"records": [{**recs[0], "pred": {"full": "a", "pie": "a"}}]}))
+    with pytest.raises(SystemExit, match="'prefix', got .* record 0 without"):
+        pie_frontier.load_records([str(path)])
+    with pytest.raises(SystemExit, match="no such file"):
+        pie_frontier.load_records([str(tmp_path / "none.json")])
