@@ -68,8 +68,8 @@ STDLIB_FILES = [
 ]
 STRATEGIES = ["full", "prefix", "pie", "naive", "pie+k"]
 SKIPPABLE = STRATEGIES[2:]          # full is the reference of every agreement, prefix (exact) the reference of cost
-DIST_BINS = (0, 64, 256, 1024)
-RESUME_DEFAULTS = {"max_new": 40, "int8": []}    # settings older JSONs did not save, at their values then      # tokens between the end of the last edit and the cursor: [0,64) [64,256) ...
+DIST_BINS = (0, 64, 256, 1024)      # tokens between the end of the last edit and the cursor: [0,64) [64,256) ...
+RESUME_DEFAULTS = {"max_new": 40, "int8": []}    # settings older JSONs did not save, at their values then
 
 
 def corpus_files(corpus: str | None) -> list[str]:

@@ -195,8 +195,8 @@ _GRAMMAR = re.compile(r"(?P<base>full|naive|pie|prefix|auto)(?:\+r(?P<r>\d+))?(?
                       r"(?:\+(?P<repair>blend|attn)(?P<pct>\d+)?)?(?:\+probe(?P<probe>\d+))?(?:\+tail(?P<tail>\d+))?"
                       r"(?:\+c(?P<c>\d+))?(?:\+b(?P<b>\d+))?")
 _HELP = ("full | prefix | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] | "
-         "auto[+r<R>][+k<K>][+tail<T>][+c<C> | +b<B>] (B = percent of prefix's tokens PIE may re-encode; P = percent of the stale tokens, e.g. pie+k64+tail512, "
-         "pie+attn25+probe32)")
+         "auto[+r<R>][+k<K>][+tail<T>][+c<C> | +b<B>] (P = percent of the stale tokens, B = percent of prefix's "
+         "tokens PIE may re-encode; e.g. pie+k64+tail512, pie+attn25+probe32, auto+b35)")
 # auto's rule, fitted on a calibration split (pie_eval --seed 1, 50 samples: 17 insertion / 17 deletion / 16 multi),
 # never on evaluated samples (seed 0): results/pie_calib2_seed1.md. Of the four candidates there, those agreeing with
 # full on 100% of every task were r512+k64+tail512+c1024 and r768+k64+tail384+c1024; the second has the lower total

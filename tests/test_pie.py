@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kvpos.edits import Delete, Insert, Replace, Strategy, apply_edits, diff_tokens, normalize, pie_tokens, plan, widen, \
-    with_tail
+from kvpos.edits import Delete, Insert, Replace, Strategy, apply_edits, diff_tokens, normalize, pie_tokens, plan, \
+    widen, with_tail
 from kvpos.integrations.hf import PositionedCache, extend
 from kvpos.integrations.pie import EditSession, attention_mass
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
