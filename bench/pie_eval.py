@@ -69,7 +69,6 @@ STDLIB_FILES = [
 STRATEGIES = ["full", "prefix", "pie", "naive", "pie+k"]
 SKIPPABLE = STRATEGIES[2:]          # full is the reference of every agreement, prefix (exact) the reference of cost
 DIST_BINS = (0, 64, 256, 1024)      # tokens between the end of the last edit and the cursor: [0,64) [64,256) ...
-RESUME_DEFAULTS = {"max_new": 40, "int8": []}    # settings older JSONs did not save, at their values then
 
 
 def corpus_files(corpus: str | None) -> list[str]:
@@ -299,8 +298,8 @@ def resume_records(path: str, settings: dict, samples: list[dict]) -> list[dict]
         old = json.load(f)
     if not isinstance(old, dict) or "records" not in old:
         raise SystemExit(f"--resume: expected a pie_eval JSON with 'records', got {path!r} without them")
-    diff = {k: (old.get(k, RESUME_DEFAULTS.get(k)), v) for k, v in settings.items()
-            if old.get(k, RESUME_DEFAULTS.get(k)) != v}
+    unsaved = {"max_new": 40, "int8": []}          # settings older JSONs did not save, at their values then
+    diff = {k: (old.get(k, unsaved.get(k)), v) for k, v in settings.items() if old.get(k, unsaved.get(k)) != v}
     if diff:
         raise SystemExit(f"--resume: expected the settings of {path} (saved, given): got {diff}")
     recs = old["records"]
