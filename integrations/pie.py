@@ -72,7 +72,7 @@ class EditSession:
         if cache is None:
             cache = PositionedCache.from_model(model, storage=storage)
             with torch.no_grad():
-                extend(model, cache, self.ids[None], last_logits=takes_logits_to_keep(model.forward))
+                extend(model, cache, self.ids[None], last_logits=self._last)
         elif cache.num_slots != self.ids.numel():
             fail("EditSession cache", f"{self.ids.numel()} slots (one per token)", cache.num_slots)
         self.cache = cache
