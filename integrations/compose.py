@@ -23,8 +23,7 @@ from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_ANCHOR, SEG_CHUNK0, SEG_QUERY, LayoutPlan, plan_layout
 from kvpos.store import ChunkKV, ChunkStore, MemoryBackend, WeightsDigest, model_fingerprint
 from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, additive_mask, bind_attention, extend
-from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, logits_kwargs, run_decoder_layers, \
-    takes_logits_to_keep
+from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, run_decoder_layers, takes_logits_to_keep
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkComposer", "compose", "ComposeInfo",
            "encode_chunk", "recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of",
@@ -229,7 +228,7 @@ def recompute_slots(model: torch.nn.Module, cache: PositionedKV, slots: torch.Te
         return 0
     mask = additive_mask(allowed[:, :cache.num_slots], next(model.parameters()).dtype)[None, None]
     pos = cache.positions[:, slots]
-    no_head = logits_kwargs(model.forward, takes_logits_to_keep(model.forward))      # the update needs no logits
+    no_head = {"logits_to_keep": 1} if takes_logits_to_keep(model.forward) else {}   # the update needs no logits
     with cache.overwriting(slots):
         model(input_ids=ids[None], position_ids=pos, attention_mask=mask, use_cache=True,
               **{cache_kwarg(model.forward): cache}, **no_head)
