@@ -123,6 +123,7 @@ class SlotTable:
         self.n = 0
         # the layers' growth rule: table and layers then regrow in the same forward (one growth branch to compile)
         self.grow = _grown if grow is None else grow
+        self.room = 0               # slots the first allocation makes room for at least (reserve_ before any slot)
 
     @property
     def n(self) -> int:
@@ -174,7 +175,7 @@ class SlotTable:
     def reserve(self, B: int, need: int, device: torch.device) -> None:
         """Make room for `need` slots (all-or-nothing)."""
         if self._pos is None:
-            cap = _sized(self.fixed, 0, need, self.grow)
+            cap = _sized(self.fixed, 0, max(need, self.room), self.grow)
             pos = _alloc((B, cap), torch.long, device, 0)
             vis = _alloc((B, cap), torch.bool, device, True)
             seg = _alloc((B, cap), torch.int32, device, 0)
@@ -262,6 +263,7 @@ class SlotLayer:
         self.v: torch.Tensor | None = None
         self.key_dtype: torch.dtype | None = None    # dtype of the keys attention reads (the model's)
         self.n = 0
+        self.room = 0               # slots the first allocation makes room for at least (reserve_ before any slot)
 
     @property
     def _names(self) -> tuple[str, ...]:
@@ -312,7 +314,7 @@ class SlotLayer:
         """Make room for `need` slots (copies only the valid prefix; all-or-nothing)."""
         if self.v is None:
             B, H, _, D = like_k.shape
-            cap = self._cap(0, need)
+            cap = self._cap(0, max(need, self.room))
             fill = 0 if self.fixed else None       # fixed: attention reads every slot (masked): never garbage
             raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device,
                          fill)
@@ -457,7 +459,7 @@ class QuantSlotLayer(SlotLayer):
     def reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
         if self.v is None:
             B, H, _, D = like_k.shape
-            cap, kd, dev = _grown_tight(0, need), like_k.dtype, like_k.device
+            cap, kd, dev = _grown_tight(0, max(need, self.room)), like_k.dtype, like_k.device
             raw_k = _alloc((B, H, cap, D), torch.int8, dev)
             v = _alloc((B, H, cap, like_v.shape[-1]), torch.int8, dev)
             vs = _alloc((B, H, cap, 1), kd, dev)
@@ -1399,15 +1401,22 @@ class PositionedKV:
             raise
 
     def reserve_(self, slots: int) -> "PositionedKV":
-        """Grow every buffer to hold at least `slots` slots (avoids regrowth while composing a large cache)."""
+        """Grow every buffer to hold at least `slots` slots (avoids regrowth while composing a large cache). On a
+        cache with no slot yet (buffers not allocated: their shapes come with the first keys), the first
+        allocation makes room for `slots`."""
         slots = check_int("reserve_ slots", slots)
         if slots < 0:
             fail("reserve_ slots", "an int >= 0", slots)
         self._check_idle("reserve_")
+        _sized(self.capacity, 0, slots, _grown)              # a fixed-capacity cache refuses more than it holds
+        for l in (l for l in self.layers if not l.allocated):
+            l.room = max(l.room, slots)
         if self.layers[0].allocated:
             self._reserve_all(slots, [(l.raw_k[:, :, :0], l.v[:, :, :0]) for l in self.layers])
         if self.table._pos is not None:
             self.table.reserve(self.table.batch_size, slots, self.table._pos.device)
+        else:
+            self.table.room = max(self.table.room, slots)
         return self
 
     # -- structure -------------------------------------------------------------------------------------------------

@@ -285,3 +285,41 @@ def test_extend_last_logits_refuses_a_forward_without_logits_to_keep():
     assert logits_kwargs(forward, False) == {}
     with pytest.raises(ValueError, match="last_logits: expected a model whose forward takes logits_to_keep"):
         logits_kwargs(forward, True)
+
+
+def _append_in_pieces(c, raws, cuts=(0, 5, 60, 130, 150)):
+    """Append the slots of `raws` to `c` in pieces; returns the buffer addresses after the first piece."""
+    first = None
+    for s, e in zip(cuts, cuts[1:]):
+        c.append_raw_([(k[:, :, s:e], v[:, :, s:e]) for k, v in raws], torch.arange(s, e))
+        first = first or [l.v.data_ptr() for l in c.layers] + [c.table._pos.data_ptr()]
+    return first
+
+
+@pytest.mark.parametrize("storage", ["rotated", "raw", "int8"])
+def test_reserve_before_the_first_slot_sizes_the_first_allocation(storage):
+    """reserve_ on a cache with no slot yet (no buffer shapes known) is kept for the first allocation: appending up
+    to the reserved count then never regrows (the buffers keep their address), and the slots read back as they do
+    without the reserve."""
+    g = torch.Generator().manual_seed(3)
+    raws = [(torch.randn(2, H, 150, D, generator=g), torch.randn(2, H, 150, D, generator=g)) for _ in range(3)]
+    ref = PositionedCache(_specs(), storage=storage)
+    ref_first = _append_in_pieces(ref, raws)
+    c = PositionedCache(_specs(), storage=storage)
+    c.reserve_(150)
+    first = _append_in_pieces(c, raws)
+    assert all(l.capacity >= 150 for l in c.layers) and c.table.capacity >= 150
+    assert [l.v.data_ptr() for l in c.layers] + [c.table._pos.data_ptr()] == first
+    assert [l.v.data_ptr() for l in ref.layers] != ref_first      # without it the buffers regrow (the test can fail)
+    assert torch.equal(c.positions, ref.positions)
+    for a, b in zip(c.layers, ref.layers):
+        assert torch.equal(a.values, b.values) and torch.equal(a.raw_keys, b.raw_keys)
+
+
+def test_reserve_on_an_empty_fixed_capacity_cache_refuses_more_than_it_holds():
+    c = PositionedCache(_specs(), capacity=16)
+    with pytest.raises(ValueError, match="at most 16 slots"):
+        c.reserve_(17)
+    assert all(l.room == 0 for l in c.layers) and c.table.room == 0
+    c.reserve_(16)
+    assert c.num_slots == 0
