@@ -30,6 +30,11 @@ prediction as full), update_s (median seconds to bring the cache up to date) and
 The JSON also holds "records" (one per sample: task, file, line, token edits, to_cursor = untouched tokens between
 the last edit and the cursor, each strategy's predicted line) and "by_distance" (agreement with full per strategy,
 binned by to_cursor per task and for all; also a second markdown table and <json>_distance.png).
+--gate SPEC:MARGIN... runs EditSession.complete (reported as SPEC/mMARGIN): update with SPEC, generate, and at the
+first step whose margin (log p top-1 - log p top-2) falls below MARGIN nats redo the edit with prefix and generate
+again; its update_s counts both updates and the abandoned generation. Every record keeps each strategy's step margins
+("margins"), generation seconds ("gen_s") and, for gates, "fell_back" (bench/pie_gate.py replays floors from them).
+--reference JSON does not run full: its predictions (and times) come from an earlier run of the same samples.
 --report JSON re-renders a finished run's tables and plots from its saved records, without the model.
 --resume continues the run saved in --json (checkpoints are written every 25 samples): the same settings give the same
 samples, the saved ones are kept (checked by task, file and line), the rest are run; a 200-per-task run (~3 h on two
@@ -46,6 +51,7 @@ import random
 import statistics
 import sys
 import sysconfig
+import time
 
 import torch
 from tqdm import tqdm
@@ -53,7 +59,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from _common import machine, markdown_table, plot, write_outputs
 from kvpos.edits import Strategy, diff_tokens
-from kvpos.integrations.hf import load_model
+from kvpos.integrations.hf import MarginWatch, load_model
 from kvpos.integrations.pie import EditSession
 
 STDLIB_FILES = [
@@ -189,8 +195,34 @@ def summarize(res: dict) -> dict:
     return out
 
 
+def parse_gate(spec: str) -> tuple[str, Strategy, float]:
+    """--gate SPEC:MARGIN -> (report name "SPEC/mMARGIN", Strategy, margin in nats). SystemExit on a bad spec."""
+    head, sep, tail = spec.rpartition(":")
+    try:
+        margin = float(tail) if sep else -1.0
+    except ValueError:
+        margin = -1.0
+    if not sep or not 0.0 < margin < 100.0:
+        raise SystemExit(f"--gate: expected SPEC:MARGIN with a margin in nats in (0, 100), e.g. auto+b25:1.5, "
+                         f"got {spec!r}")
+    try:
+        strat = Strategy.parse(head)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--gate: {e}") from None
+    if strat.base in ("full", "prefix"):
+        raise SystemExit(f"--gate: expected an approximate strategy (pie / naive / auto), got {head!r} (exact: "
+                         f"never gated)")
+    return f"{head}/m{tail}", strat, margin
+
+
+def gate_margins(gates: tuple[str, ...]) -> dict[str, float]:
+    """{report name: margin} of the --gate specs."""
+    return {name: m for name, _, m in map(parse_gate, gates)}
+
+
 def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (),
-                   skip: tuple[str, ...] = (), int8: tuple[str, ...] = ()) -> list[tuple[str, Strategy]]:
+                   skip: tuple[str, ...] = (), int8: tuple[str, ...] = (), gates: tuple[str, ...] = ()
+                   ) -> list[tuple[str, Strategy]]:
     """(report name, Strategy): "pie+k" is pie with the first k; further k values report as "pie+k<k>"; with
     tail > 0, "pie+tail" is PIE that also re-encodes the last `tail` tokens before the cursor; each blend ratio r
     adds "pie+blend<100 r>"; then the --also specs (kvpos.edits.Strategy grammar, reported under the spec as
@@ -219,6 +251,7 @@ def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), 
             raise SystemExit(f"--int8: expected strategies without blend / attn repairs (int8 slots are written "
                              f"once), got {spec}")
         out.append((f"{spec}@int8", strat))
+    out += [(name, strat) for name, strat, _ in map(parse_gate, gates)]
     names = [n for n, _ in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -229,11 +262,14 @@ def strategy_names(ks: list[int], tail: int = 0, blend: tuple[float, ...] = (), 
 @torch.no_grad()
 def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint=None, every: int = 25,
         tail: int = 0, blend: tuple[float, ...] = (), also: tuple[str, ...] = (), skip: tuple[str, ...] = (),
-        records: list | None = None, int8: tuple[str, ...] = ()) -> dict:
+        records: list | None = None, int8: tuple[str, ...] = (), gates: tuple[str, ...] = (),
+        reference: dict | None = None) -> dict:
     """Score every strategy on every sample; returns summarize()'s table. When `records` is a list, one dict per
     sample is appended to it: task, file, line, number of token edits, `to_cursor` (untouched tokens between the end
-    of the last edit and the cursor), the target and each strategy's predicted line."""
-    names = strategy_names(ks, tail, blend, also, skip, int8)
+    of the last edit and the cursor), the target and each strategy's predicted line. `reference`: {(task, path,
+    line): record of an earlier run of the same samples}: full is not run, its prediction and time are read there."""
+    names = strategy_names(ks, tail, blend, also, skip, int8, gates)
+    gate = gate_margins(gates)
     res = scores_from_records(records or [], [n for n, _ in names])
     for i, smp in enumerate(tqdm(samples, desc="pie_eval samples", file=sys.stdout)):
         if checkpoint is not None and i and i % every == 0:
@@ -243,25 +279,48 @@ def run(model, tok, samples: list[dict], ks: list[int], max_new: int, checkpoint
         base = EditSession(model, old_ids)
         base_q = EditSession(model, old_ids, storage="int8") if int8 else None
         preds, times, enc, chosen = {}, {}, {}, {}
+        margins, gen_s, fell = {}, {}, {}
+        if reference is not None:
+            ref = reference[(smp["task"], smp["path"], smp["line"])]
+            preds["full"], times["full"], enc["full"] = (ref["pred"]["full"], ref["update_s"]["full"],
+                                                         ref["tokens_encoded"]["full"])
+            _score(res[smp["task"]]["full"], preds["full"], smp["target"], preds["full"], times["full"], enc["full"])
         for name, strat in names:
+            if name == "full" and reference is not None:
+                continue
             src = base_q if name.endswith("@int8") else base
             sess = EditSession(model, old_ids, cache=src.cache.copy())
-            r = sess.apply_text(tok, smp["new"], strat, add_special_tokens=True)
             stop = StoppingCriteriaList([_TwoNewlines(tok, 1)])
-            gen = sess.generate(max_new_tokens=max_new, stopping_criteria=stop, pad_token_id=tok.eos_token_id)
+            gk = {"max_new_tokens": max_new, "stopping_criteria": stop, "pad_token_id": tok.eos_token_id}
+            if name in gate:
+                t0 = time.perf_counter()
+                c = sess.complete(edits, strat, min_margin=gate[name], **gk)
+                gen_s[name] = time.perf_counter() - t0 - c.cost_s     # the returned generation (+ bookkeeping)
+                gen, cost, n_enc, used, fell[name] = c.ids, c.cost_s, c.tokens_encoded, c.update.strategy, c.fell_back
+                margins[name] = c.margins
+                if c.fell_back:
+                    used = f"{c.first.strategy}=>{used}"
+            else:
+                r = sess.apply_text(tok, smp["new"], strat, add_special_tokens=True)
+                watch = MarginWatch()
+                t0 = time.perf_counter()
+                gen = sess.generate(**watch.gen_kwargs(gk))
+                gen_s[name], margins[name] = time.perf_counter() - t0, watch.margins
+                cost, n_enc, used = r.update_s, r.tokens_encoded, r.strategy
             pred = predicted_line(tok.decode(gen))
             preds[name] = pred
-            _score(res[smp["task"]][name], pred, smp["target"], preds["full"], r.update_s, r.tokens_encoded)
-            times[name], enc[name] = r.update_s, r.tokens_encoded
-            if "->" in r.strategy:
-                chosen[name] = r.strategy.split("->", 1)[1]
+            _score(res[smp["task"]][name], pred, smp["target"], preds["full"], cost, n_enc)
+            times[name], enc[name] = cost, n_enc
+            if "->" in used or "=>" in used:
+                chosen[name] = used.split("->", 1)[-1]
         if records is not None:
             n_new = len(tok(smp["new"]).input_ids)
             first_new = edits[0].start if edits else n_new
             records.append({"task": smp["task"], "path": smp["path"], "line": smp["line"], "edits": len(edits),
                             "to_cursor": len(old_ids) - edits[-1].end if edits else len(old_ids),
                             "to_first": n_new - first_new, "target": smp["target"], "pred": preds,
-                            "update_s": times, "tokens_encoded": enc, "chosen": chosen})
+                            "update_s": times, "tokens_encoded": enc, "chosen": chosen, "fell_back": fell,
+                            "gen_s": gen_s, "margins": {k: [round(m, 3) for m in v] for k, v in margins.items()}})
     return summarize(res)
 
 
@@ -298,7 +357,7 @@ def resume_records(path: str, settings: dict, samples: list[dict]) -> list[dict]
         old = json.load(f)
     if not isinstance(old, dict) or "records" not in old:
         raise SystemExit(f"--resume: expected a pie_eval JSON with 'records', got {path!r} without them")
-    unsaved = {"max_new": 40, "int8": []}          # settings older JSONs did not save, at their values then
+    unsaved = {"max_new": 40, "int8": [], "gate": [], "reference": None}   # settings older JSONs did not save, at their values then
     diff = {k: (old.get(k, unsaved.get(k)), v) for k, v in settings.items() if old.get(k, unsaved.get(k)) != v}
     if diff:
         raise SystemExit(f"--resume: expected the settings of {path} (saved, given): got {diff}")
@@ -310,6 +369,27 @@ def resume_records(path: str, settings: dict, samples: list[dict]) -> list[dict]
     if len(recs) > len(samples):
         raise SystemExit(f"--resume: expected at most {len(samples)} saved samples, got {len(recs)}")
     return recs
+
+
+def read_reference(path: str, settings: dict, samples: list[dict]) -> dict:
+    """--reference: {(task, path, line): record} of an earlier run whose seed, context, corpus and max_new match and
+    which holds every sample of `samples` (with the same target). SystemExit naming the mismatch otherwise."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--reference: expected a pie_eval JSON written with --json, got {path!r} (no such file)")
+    with open(path) as f:
+        old = json.load(f)
+    if not isinstance(old, dict) or not old.get("records"):
+        raise SystemExit(f"--reference: expected a pie_eval JSON with records, got {path!r} without them")
+    for k in ("seed", "context_tokens", "corpus", "max_new"):
+        if old.get(k, 40 if k == "max_new" else None) != settings[k]:
+            raise SystemExit(f"--reference: expected a run with {k}={settings[k]!r}, got {old.get(k)!r} in {path}")
+    ref = {(r["task"], r["path"], r["line"]): r for r in old["records"]}
+    for s in samples:
+        r = ref.get((s["task"], s["path"], s["line"]))
+        if r is None or r["target"] != s["target"] or "full" not in r["pred"]:
+            raise SystemExit(f"--reference: expected every sample of this run in {path}, got none (or a different "
+                             f"one) for {s['task']} {s['path']}:{s['line']}")
+    return ref
 
 
 def by_distance(records: list[dict], bins: tuple[int, ...] = DIST_BINS) -> list[dict]:
@@ -418,6 +498,15 @@ def main() -> None:
                     help=f"drop some of {' '.join(SKIPPABLE)} (full always runs), e.g. for a run of --also specs only")
     ap.add_argument("--int8", nargs="*", default=[],
                     help="strategies to run again on an int8 cache, reported as <spec>@int8 (e.g. full prefix pie)")
+    ap.add_argument("--gate", nargs="*", default=[], metavar="SPEC:MARGIN",
+                    help="gated strategies (EditSession.complete), e.g. auto+b25:1.5: update with SPEC and generate; "
+                         "at the first step whose margin (log p top-1 - log p top-2) is below MARGIN nats, redo the "
+                         "edit with prefix (exact) and generate again; update_s counts both updates and the abandoned "
+                         "generation. Reported as SPEC/mMARGIN")
+    ap.add_argument("--reference", default=None, metavar="JSON",
+                    help="do not run full: read its predictions (and times) from this earlier pie_eval run of the same "
+                         "seed, context and corpus (every sample of this run must be in it, checked by task, file, "
+                         "line and target). Ratios to prefix stay side by side in this run; ratios to full do not")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -435,7 +524,8 @@ def main() -> None:
     for r in a.blend:
         if not 0.0 < r <= 1.0:
             raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
-    names = strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip), tuple(a.int8))  # fail early
+    names = strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip), tuple(a.int8),
+                           tuple(a.gate))  # fail early
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     for name, strat in names:                       # what this model cannot do fails before the run, with the reason
@@ -455,10 +545,12 @@ def main() -> None:
     # interleave the tasks so that checkpoints written during the run cover every task
     samples = [per_task[t][i] for i in range(a.samples) for t in a.tasks]
     settings = {"samples": a.samples, "seed": a.seed, "context_tokens": a.context_tokens, "k": a.k, "tail": a.tail,
-                "blend": a.blend, "also": a.also, "skip": a.skip, "int8": a.int8, "max_new": a.max_new,
+                "blend": a.blend, "also": a.also, "skip": a.skip, "int8": a.int8, "gate": a.gate, "max_new": a.max_new,
+                "reference": a.reference,
                 "corpus": a.corpus or "stdlib: " + ", ".join(STDLIB_FILES)}
     if a.resume and not a.json:
         raise SystemExit("--resume: expected --json naming the run to continue, got none")
+    reference = read_reference(a.reference, settings, samples) if a.reference else None
     records: list[dict] = resume_records(a.json, settings, samples) if a.resume else []
     done = len(records)
 
@@ -474,7 +566,8 @@ def main() -> None:
         write_report(a.json, payload)
 
     report(run(model, tok, samples[done:], a.k, a.max_new, checkpoint=report, tail=a.tail, blend=tuple(a.blend),
-               also=tuple(a.also), skip=tuple(a.skip), records=records, int8=tuple(a.int8)))
+               also=tuple(a.also), skip=tuple(a.skip), records=records, int8=tuple(a.int8), gates=tuple(a.gate),
+               reference=reference))
 
 
 if __name__ == "__main__":

@@ -43,10 +43,10 @@ from kvpos.cache import PositionedKV
 from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, normalize, plan, stale_slots, widen, \
     with_tail
 from kvpos.integrations.compose import AttentionMassProbe, blend_recompute, recompute_slots
-from kvpos.integrations.hf import PositionedCache, additive_mask, bind_attention, extend, generate
+from kvpos.integrations.hf import MarginWatch, PositionedCache, additive_mask, bind_attention, extend, generate
 from kvpos.integrations.hf.run import cache_kwarg, takes_logits_to_keep
 
-__all__ = ["EditSession", "EditResult", "attention_mass"]
+__all__ = ["EditSession", "EditResult", "Completion", "attention_mass"]
 
 
 @dataclass
@@ -56,6 +56,18 @@ class EditResult:
     tokens_encoded: int      # tokens run through the model
     tokens_reused: int       # tokens whose KV was kept (moved or not)
     edits: int
+
+
+@dataclass
+class Completion:
+    """What EditSession.complete did: the generated ids, the update they came from, and what the gate cost."""
+    ids: torch.Tensor        # generated ids [new]
+    update: EditResult       # the update whose cache generated `ids` (the fallback's when fell_back)
+    fell_back: bool          # the approximate update's generation met a margin below the floor: redone exactly
+    cost_s: float            # wall time spent to reach `ids`' cache: update(s) + the abandoned generation, if any
+    tokens_encoded: int      # tokens run through the model by the update(s) (not the generation)
+    margins: list[float]     # each kept generated step's margin (nats: log p top-1 - log p top-2)
+    first: EditResult | None = None   # the abandoned approximate update (fell_back only)
 
 
 class EditSession:
@@ -196,6 +208,50 @@ class EditSession:
                        positions=torch.arange(p.new_start, p.new_start + p.length), last_logits=self._last)
                 enc += p.length
         return new, enc, reused
+
+    @torch.no_grad()
+    def complete(self, edits: Sequence[Replace] | Replace, strategy: str | Strategy = "auto+b25",
+                 min_margin: float = 1.0, fallback: str | Strategy = "prefix", max_new_tokens: int = 32,
+                 **gen_kwargs: Any) -> Completion:
+        """Apply edits with `strategy` and generate greedily at the end; an approximate update (one that resolves to
+        pie or naive) is trusted only while every generated step's margin (log p top-1 - log p top-2, nats) stays at
+        or above `min_margin`. At the first step below it the generation stops, the update is abandoned (the session
+        goes back to the document before the edits, unchanged) and the edits are applied again with `fallback`
+        (default prefix: exact), whose generation is returned whatever its margins. Exact updates (full, prefix, or
+        auto resolving to prefix) are not gated. The session moves to the new document.
+
+        A small margin is where a slightly stale cache can flip the greedy token; min_margin 0 never falls back.
+        cost_s counts the update(s) and the abandoned generation, not the returned generation (every strategy pays
+        that). gen_kwargs go to generate (greedy only; logits_processor / stopping_criteria lists are extended)."""
+        if isinstance(min_margin, bool) or not isinstance(min_margin, (int, float)) or not 0 <= min_margin < 1e9:
+            fail("complete min_margin", "a number of nats >= 0 (0 = never fall back)", min_margin)
+        if gen_kwargs.get("do_sample"):
+            fail("complete do_sample", "greedy decoding (the margin gate watches the greedy token)", True,
+                 "generate with EditSession.generate to sample")
+        fb = Strategy.parse(fallback).check(self.layer_types)
+        asked = Strategy.parse(strategy).check(self.layer_types)
+        norm = normalize(edits, self.length)
+        exact = asked.resolve(self.length, norm).base in ("full", "prefix")
+        before_ids, before_cache = self.ids, self.cache     # updates only read the old cache: kept as it is
+        try:
+            r = self.apply(norm, asked)
+            t0 = time.perf_counter()
+            ids, watch = self._generate_watched(max_new_tokens, 0.0 if exact else float(min_margin), gen_kwargs)
+            if exact or not watch.low:
+                return Completion(ids, r, False, r.update_s, r.tokens_encoded, watch.margins)
+            abandoned = time.perf_counter() - t0
+            self.ids, self.cache = before_ids, before_cache
+            r2 = self.apply(norm, fb)
+            ids2, watch2 = self._generate_watched(max_new_tokens, 0.0, gen_kwargs)
+        except BaseException:
+            self.ids, self.cache = before_ids, before_cache     # a failure anywhere leaves the session as it was
+            raise
+        return Completion(ids2, r2, True, r.update_s + abandoned + r2.update_s, r.tokens_encoded + r2.tokens_encoded,
+                          watch2.margins, first=r)
+
+    def _generate_watched(self, max_new_tokens: int, floor: float, gen_kwargs: dict) -> tuple[torch.Tensor, MarginWatch]:
+        watch = MarginWatch(floor)
+        return self.generate(max_new_tokens=max_new_tokens, **watch.gen_kwargs(gen_kwargs)), watch
 
     # -- continuing ------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -189,3 +189,60 @@ def test_pie_frontier_reads_each_rule_from_the_branch_it_takes(tmp_path):
         pie_frontier.load_records([str(path)])
     with pytest.raises(SystemExit, match="no such file"):
         pie_frontier.load_records([str(tmp_path / "none.json")])
+
+
+def test_pie_eval_gate_runs_complete_and_reference_skips_full(tmp_path):
+    """--gate SPEC:MARGIN runs EditSession.complete: with a floor no step reaches, every PIE update is abandoned and
+    redone with prefix (its tokens are both updates', its generation prefix's). --reference reads full's prediction
+    from an earlier run of the same samples instead of running it."""
+    model = tiny_model("llama")[0]
+    tok = _CharTok()
+    doc = [f"v{i} = {i}" for i in range(12)]
+    samples = []
+    for k in (2, 5):
+        old = list(doc)
+        del old[k]
+        samples.append({"path": "f.py", "line": k, "old": "\n".join(old), "new": "\n".join(doc), "target": "v1 = 1",
+                        "task": "insertion"})
+    recs: list = []
+    pie_eval.run(model, tok, samples, [4], max_new=6, skip=("naive", "pie+k"), records=recs, gates=("pie:99",))
+    for r in recs:
+        assert r["fell_back"] == {"pie/m99": True} and r["chosen"]["pie/m99"] == "pie=>prefix"
+        assert r["tokens_encoded"]["pie/m99"] == r["tokens_encoded"]["pie"] + r["tokens_encoded"]["prefix"]
+        assert r["margins"]["pie/m99"] == r["margins"]["prefix"] and r["pred"]["pie/m99"] == r["pred"]["prefix"]
+        assert r["update_s"]["pie/m99"] > 0 and set(r["margins"]) == {"full", "prefix", "pie", "pie/m99"}
+    ref = {(r["task"], r["path"], r["line"]): {**r, "pred": {**r["pred"], "full": "from the reference"}} for r in recs}
+    again: list = []
+    res = pie_eval.run(model, tok, samples, [4], max_new=6, skip=("naive", "pie+k"), records=again, reference=ref)
+    assert [r["pred"]["full"] for r in again] == ["from the reference"] * 2 and "full" not in again[0]["margins"]
+    assert res["insertion"]["prefix"]["agree_full"] == 0.0           # scored against the reference's prediction
+    for bad in ("pie", "pie:0", "pie:x", "prefix:1", "fast:1"):
+        with pytest.raises(SystemExit, match="--gate"):
+            pie_eval.parse_gate(bad)
+    settings = {"seed": 0, "context_tokens": 2048, "corpus": "c", "max_new": 6}
+    path = tmp_path / "ref.json"
+    path.write_text(pie_eval.json.dumps({**settings, "records": recs}))
+    assert set(pie_eval.read_reference(str(path), settings, samples)) == set(ref)
+    with pytest.raises(SystemExit, match="--reference: expected a run with seed=1"):
+        pie_eval.read_reference(str(path), {**settings, "seed": 1}, samples)
+    with pytest.raises(SystemExit, match="--reference: expected every sample of this run"):
+        pie_eval.read_reference(str(path), settings, [{**samples[0], "line": 7}])
+
+
+def test_pie_gate_replays_the_gate_from_recorded_margins():
+    import pie_gate
+    rec = {"task": "multi", "pred": {"full": "a", "prefix": "a", "auto": "b"}, "chosen": {"auto": "pie+k64+tail200"},
+           "update_s": {"full": 4.0, "prefix": 2.0, "auto": 1.0}, "gen_s": {"auto": 4.0},
+           "margins": {"auto": [3.0, 0.5, 2.0, 0.2]}}
+    assert pie_gate.replay(rec, "auto", 0.0) == ("b", 1.0, False)
+    assert pie_gate.replay(rec, "auto", 0.1) == ("b", 1.0, False)            # no step below 0.1
+    assert pie_gate.replay(rec, "auto", 1.0) == ("a", 1.0 + 4.0 * 2 / 4 + 2.0, True)   # stops at step 2 of 4
+    exact = {**rec, "chosen": {"auto": "prefix"}}
+    assert pie_gate.replay(exact, "auto", 1.0) == ("b", 1.0, False)           # exact choices are never gated
+    rows = pie_gate.table([rec, {**rec, "margins": {"auto": [3.0]}}], ["auto"], [1.0])
+    row = next(r for r in rows if r["task"] == "multi" and r["floor"] == 1.0)
+    assert row["agree_full"] == 50.0 and row["fell_back"] == 50.0 and row["mean_ratio_vs_prefix"] == (5.0 + 1.0) / 2 / 2
+    pair = {**rec, "pred": {**rec["pred"], "small": "b"}, "update_s": {**rec["update_s"], "small": 0.5}}
+    assert pie_gate.replay_pair(pair, "auto", "small") == ("b", 1.5, False)               # agree: trust a
+    other = {**pair, "pred": {**pair["pred"], "small": "c"}}
+    assert pie_gate.replay_pair(other, "auto", "small") == ("a", 3.5, True)               # disagree: prefix

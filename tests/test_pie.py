@@ -354,3 +354,76 @@ def test_auto_budget_refusals(spec, match):
         Strategy.parse(spec)
     with pytest.raises(ValueError, match="strategy budget: expected a fraction in \\[0, 1\\)"):
         Strategy("auto", budget=1.5)
+
+
+def _plain_margins(model, ids, gen):
+    """Each greedy step's log p top-1 - log p top-2 from transformers' own forward over the whole sequence."""
+    seq = torch.cat([ids, gen])
+    with torch.no_grad():
+        logits = model(seq[None]).logits[0].double()
+    out = []
+    for j in range(len(gen)):
+        top = torch.log_softmax(logits[len(ids) - 1 + j], -1).topk(2).values
+        out.append(float(top[0] - top[1]))
+    return out
+
+
+def test_margin_watch_records_the_greedy_gap_and_stops_below_its_floor():
+    from kvpos.integrations.hf import MarginWatch
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    doc = _doc(11, 30)
+    sess = EditSession(model, doc)
+    watch = MarginWatch()
+    gen = sess.generate(max_new_tokens=8, **watch.gen_kwargs({}))
+    want = _plain_margins(model, doc, gen)
+    assert len(watch.margins) == len(gen) == 8 and not watch.low
+    assert max(abs(a - b) for a, b in zip(watch.margins, want)) < 1e-4
+    floor = sorted(want)[len(want) // 2] + 1e-6          # about half the steps fall below it
+    first_low = next(j for j, m in enumerate(want) if m < floor)
+    stopped = MarginWatch(floor)
+    short = sess.generate(max_new_tokens=8, **stopped.gen_kwargs({}))
+    assert stopped.low and short.tolist() == gen[:first_low + 1].tolist()
+    with pytest.raises(ValueError, match="MarginWatch floor: expected a finite number of nats >= 0"):
+        MarginWatch(-1.0)
+
+
+def test_complete_trusts_pie_above_the_floor_and_recomputes_exactly_below_it():
+    model = tiny_model("llama", num_hidden_layers=3)[0]
+    doc = _doc(12, 40)
+    edits = [Insert(3, [5, 6]), Delete(10, 12)]
+    ref = EditSession(model, doc)
+    ref.apply(edits, "full")
+    exact = ref.generate(max_new_tokens=6)
+    pie = EditSession(model, doc)
+    pie.apply(edits, "pie")
+    approx = pie.generate(max_new_tokens=6)
+
+    never = EditSession(model, doc).complete(edits, "pie", min_margin=0.0, max_new_tokens=6)
+    assert not never.fell_back and never.ids.tolist() == approx.tolist() and never.first is None
+    sess = EditSession(model, doc)
+    always = sess.complete(edits, "pie", min_margin=1e6, max_new_tokens=6)
+    assert always.fell_back and always.update.strategy == "prefix" and always.first.strategy == "pie"
+    assert always.ids.tolist() == exact.tolist()
+    assert torch.equal(sess.ids, ref.ids) and sess.cache.num_slots == ref.length
+    assert always.cost_s >= always.first.update_s + always.update.update_s
+    assert always.tokens_encoded == always.first.tokens_encoded + always.update.tokens_encoded
+    assert len(always.margins) == 6
+    # exact updates are never gated, whatever the floor
+    pre = EditSession(model, doc).complete(edits, "prefix", min_margin=1e6, max_new_tokens=6)
+    assert not pre.fell_back and pre.ids.tolist() == exact.tolist()
+
+
+def test_complete_refuses_bad_arguments_and_leaves_the_session_as_it_was():
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    sess = EditSession(model, _doc(13, 30))
+    ids, cache = sess.ids.clone(), sess.cache
+    edits = [Insert(3, [5, 6])]
+    with pytest.raises(ValueError, match="complete min_margin: expected a number of nats >= 0"):
+        sess.complete(edits, "pie", min_margin=-1)
+    with pytest.raises(ValueError, match="complete do_sample: expected greedy decoding"):
+        sess.complete(edits, "pie", do_sample=True)
+    with pytest.raises(ValueError, match="strategy: expected full"):
+        sess.complete(edits, "pie", fallback="exact")
+    with pytest.raises(TypeError):                               # generate fails after the update: rolled back
+        sess.complete(edits, "pie", min_margin=0.0, stopping_criteria=[object()])
+    assert torch.equal(sess.ids, ids) and sess.cache is cache
