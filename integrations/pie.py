@@ -29,6 +29,8 @@ session exactly as it was.
     r = s.apply([Insert(120, new_ids)], "pie")           # r.update_s, r.tokens_encoded
     s.apply_text(tok, new_source_text, "pie+k8")         # re-tokenize, diff on tokens, apply
     line_ids = s.generate(max_new_tokens=32)             # continue at the end (or cursor=...)
+    c = s.complete(edits, "auto+b35", min_margin=0.05)  # update + generate; redone with prefix (exact) when a
+                                                         # generated step's margin falls below 0.05 nats
 """
 from __future__ import annotations
 
@@ -210,8 +212,8 @@ class EditSession:
         return new, enc, reused
 
     @torch.no_grad()
-    def complete(self, edits: Sequence[Replace] | Replace, strategy: str | Strategy = "auto+b25",
-                 min_margin: float = 1.0, fallback: str | Strategy = "prefix", max_new_tokens: int = 32,
+    def complete(self, edits: Sequence[Replace] | Replace, strategy: str | Strategy = "auto+b35", *,
+                 min_margin: float, fallback: str | Strategy = "prefix", max_new_tokens: int = 32,
                  **gen_kwargs: Any) -> Completion:
         """Apply edits with `strategy` and generate greedily at the end; an approximate update (one that resolves to
         pie or naive) is trusted only while every generated step's margin (log p top-1 - log p top-2, nats) stays at
@@ -221,6 +223,9 @@ class EditSession:
         auto resolving to prefix) are not gated. The session moves to the new document.
 
         A small margin is where a slightly stale cache can flip the greedy token; min_margin 0 never falls back.
+        There is no default floor: on SmolLM2-135M next-line code completion most generated lines hold a step below
+        0.1 nats, so a floor that catches most of PIE's disagreements with full recompute also redoes 16-50% of the
+        edits exactly (results/pie_gate_calib_seed1.md); pick it from what a redo costs you.
         cost_s counts the update(s) and the abandoned generation, not the returned generation (every strategy pays
         that). gen_kwargs go to generate (greedy only; logits_processor / stopping_criteria lists are extended)."""
         if isinstance(min_margin, bool) or not isinstance(min_margin, (int, float)) or not 0 <= min_margin < 1e9:

@@ -421,9 +421,9 @@ def test_complete_refuses_bad_arguments_and_leaves_the_session_as_it_was():
     with pytest.raises(ValueError, match="complete min_margin: expected a number of nats >= 0"):
         sess.complete(edits, "pie", min_margin=-1)
     with pytest.raises(ValueError, match="complete do_sample: expected greedy decoding"):
-        sess.complete(edits, "pie", do_sample=True)
+        sess.complete(edits, "pie", min_margin=0.1, do_sample=True)
     with pytest.raises(ValueError, match="strategy: expected full"):
-        sess.complete(edits, "pie", fallback="exact")
+        sess.complete(edits, "pie", min_margin=0.1, fallback="exact")
     with pytest.raises(TypeError):                               # generate fails after the update: rolled back
         sess.complete(edits, "pie", min_margin=0.0, stopping_criteria=[object()])
     assert torch.equal(sess.ids, ids) and sess.cache is cache
