@@ -50,38 +50,29 @@ def replay_pair(rec: dict, a: str, b: str) -> tuple[str, float, bool]:
     return rec["pred"]["prefix"], cost + rec["update_s"]["prefix"], True
 
 
+def _row(task: str, recs: list[dict], base: str, floor, out: list[tuple[str, float, bool]]) -> dict:
+    """One table row from the replayed (prediction, cost, fell back) of each record."""
+    mp = statistics.fmean(r["update_s"]["prefix"] for r in recs)
+    return {"task": task, "base": base, "floor": floor, "n": len(recs),
+            "agree_full": 100.0 * statistics.fmean(p == r["pred"]["full"] for (p, _, _), r in zip(out, recs)),
+            "mean_ratio_vs_prefix": statistics.fmean(c for _, c, _ in out) / mp,
+            "fell_back": 100.0 * statistics.fmean(f for _, _, f in out)}
+
+
+def _by_task(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    return [(t, [r for r in records if t in ("all", r["task"])]) for t in sorted({r["task"] for r in records}) + ["all"]]
+
+
 def pair_table(records: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
     """One row per task (and "all") and pair: agree_full (%), mean_ratio_vs_prefix, fell_back (%), n."""
-    rows = []
-    for task in sorted({r["task"] for r in records}) + ["all"]:
-        recs = [r for r in records if task in ("all", r["task"])]
-        mp = statistics.fmean(r["update_s"]["prefix"] for r in recs)
-        for a, b in pairs:
-            out = [replay_pair(r, a, b) for r in recs]
-            rows.append({"task": task, "base": f"{a} checked by {b}", "floor": "", "n": len(recs),
-                         "agree_full": 100.0 * statistics.fmean(p == r["pred"]["full"] for (p, _, _), r
-                                                                in zip(out, recs)),
-                         "mean_ratio_vs_prefix": statistics.fmean(c for _, c, _ in out) / mp,
-                         "fell_back": 100.0 * statistics.fmean(f for _, _, f in out)})
-    return rows
+    return [_row(task, recs, f"{a} checked by {b}", "", [replay_pair(r, a, b) for r in recs])
+            for task, recs in _by_task(records) for a, b in pairs]
 
 
 def table(records: list[dict], bases: list[str], floors: list[float]) -> list[dict]:
     """One row per task (and "all"), base and floor: agree_full (%), mean_ratio_vs_prefix, fell_back (%), n."""
-    rows = []
-    tasks = sorted({r["task"] for r in records}) + ["all"]
-    for task in tasks:
-        recs = [r for r in records if task in ("all", r["task"])]
-        mp = statistics.fmean(r["update_s"]["prefix"] for r in recs)
-        for base in bases:
-            for floor in [0.0, *floors]:
-                out = [replay(r, base, floor) for r in recs]
-                rows.append({"task": task, "base": base, "floor": floor, "n": len(recs),
-                             "agree_full": 100.0 * statistics.fmean(p == r["pred"]["full"] for (p, _, _), r
-                                                                    in zip(out, recs)),
-                             "mean_ratio_vs_prefix": statistics.fmean(c for _, c, _ in out) / mp,
-                             "fell_back": 100.0 * statistics.fmean(f for _, _, f in out)})
-    return rows
+    return [_row(task, recs, base, floor, [replay(r, base, floor) for r in recs])
+            for task, recs in _by_task(records) for base in bases for floor in [0.0, *floors]]
 
 
 def main() -> None:
