@@ -29,7 +29,7 @@ class MarginWatch(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """scores: [B, V] the step's next-token scores (row 0 is watched). Returns scores unchanged."""
-        top = torch.log_softmax(scores[0].double(), dim=-1).topk(2).values
+        top = scores[0].topk(2).values.double()     # log-softmax's normalizer cancels in the difference
         m = float(top[0] - top[1])
         self.margins.append(m)
         if m < self.floor:
