@@ -215,6 +215,12 @@ class SlotTable:
             buf[:, : idx.numel()] = buf[:, idx]
         self.n = idx.numel()
 
+    def unshare_(self) -> None:
+        """Copy-on-write: new buffers holding the valid slots (see SlotLayer.unshare_)."""
+        if self._pos is not None:
+            self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1, self.capacity, self.n,
+                                                      self.fixed is not None)
+
     def select_rows_(self, rows: torch.Tensor) -> None:
         """Batch rows `rows` (new tensors: the old buffers are left as they were)."""
         if self._pos is None:
@@ -397,6 +403,12 @@ class SlotLayer:
     def truncate(self, n: int) -> None:
         """Forget every slot from `n` on."""
         self.n = min(self.n, n)
+
+    def unshare_(self) -> None:
+        """Copy-on-write: new buffers holding the valid slots (same capacity), so that a snapshot taken before keeps
+        the old ones intact whatever is written next."""
+        if self.v is not None:
+            self.set_buffers(_regrow(self.buffers(), 2, self.capacity, self.n, self.fixed is not None))
 
     def read_raw(self, start: int, end: int, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(raw keys, values) [B, H, end - start, D] of slots [start, end): views (copies with `copy`)."""
@@ -616,6 +628,12 @@ class QuantSlotLayer(SlotLayer):
         other.kt, other.vt = self.kt.clone(), self.vt.clone()
         other.key_dtype, other.n, other.q, other.nrows = self.key_dtype, self.n, self.q, self.nrows
 
+    def unshare_(self) -> None:
+        if self.v is not None:
+            self._regrow_slots(self.capacity)
+            self.ks = _regrow([self.ks], 2, self.ks.shape[2], self.nrows)[0]
+            self.kt, self.vt = self.kt.clone(), self.vt.clone()
+
 
 @dataclass
 class _Forward:
@@ -745,6 +763,9 @@ class PositionedKV:
         self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
         self._handout: _ReadState | None = None           # read state of the last write that handed out raw keys
         self._committed: tuple[int, dict] | None = None     # (n0, layer marks) of the last committed forward
+        # slots [0, _shared) are shared with the snapshot of a running appending() block: an in-place write there
+        # first copies the buffers (copy-on-write), so that the block's rollback finds them as they were
+        self._shared = 0
 
     def _new_table(self) -> SlotTable:
         return SlotTable(self.capacity, _grown if self.storage == "rotated" else _grown_tight)
@@ -1133,12 +1154,16 @@ class PositionedKV:
 
     @contextlib.contextmanager
     def appending(self) -> Iterator[None]:
-        """Within the block, an exception restores the cache to its state at entry: for engine calls that only
-        append slots, reorder batch rows or crop (a forward, a generate loop), whatever layer or step raises."""
-        self._check_idle("appending")
+        """Within the block, an exception restores the cache to its state at entry, whatever layer or step raises:
+        for engine calls (a forward, a generate loop). Appends, batch-row changes and crops are free; the first
+        write inside the block to a slot that existed at entry (a crop below the entry length followed by an append,
+        a position or structure operation) copies the buffers first (copy-on-write)."""
+        n = self._check_idle("appending")
         table = self.table
         saved_table = (table._pos, table._vis, table._seg, table.n)
         saved_layers = [l.snapshot() for l in self.layers]
+        outer = self._shared
+        self._shared = max(outer, n)
         try:
             yield
         except BaseException:
@@ -1148,6 +1173,17 @@ class PositionedKV:
             for l, snap in zip(self.layers, saved_layers):
                 l.restore_snapshot(snap)
             raise
+        finally:
+            self._shared = outer
+
+    def _unshare_below(self, lo: int) -> None:
+        """Before an in-place write to slots from `lo` on: if a running appending() block's snapshot shares them,
+        give the cache its own buffers (once per block)."""
+        if lo < self._shared:
+            for l in self.layers:
+                l.unshare_()
+            self.table.unshare_()
+            self._shared = 0
 
     @contextlib.contextmanager
     def overwriting(self, slots: torch.Tensor) -> Iterator[None]:
@@ -1162,6 +1198,8 @@ class PositionedKV:
         idx = check_slot_index("overwriting slots", slots, n)
         if self._overwrite is not None:
             fail("overwriting", "no overwrite already in progress", "a nested overwriting() block")
+        if idx.numel():
+            self._unshare_below(int(idx.min()))
         self._overwrite = ow = _Overwrite(idx)
         try:
             yield
@@ -1213,6 +1251,7 @@ class PositionedKV:
             fail("shift_ delta", f"|delta| < 2**40 (MAX_POSITION)", delta)
         new = self.table.pos[:, start:end] + delta
         self._check_new_positions(new, f"shift_ (delta={delta})")
+        self._unshare_below(start)
         self.table.pos[:, start:end] = new
         self._rerotate(start, end)
         return self
@@ -1224,6 +1263,7 @@ class PositionedKV:
         B = max(self.table.batch_size, 1)
         pos = as_positions("set_positions_ positions", positions, B, end - start, self.table.pos.device)
         self._check_new_positions(pos, "set_positions_ positions")
+        self._unshare_below(start)
         self.table.pos[:, start:end] = pos
         self._rerotate(start, end)
         return self
@@ -1259,6 +1299,7 @@ class PositionedKV:
         return self
 
     def _select(self, idx: torch.Tensor) -> None:
+        self._unshare_below(0)
         for l in self.layers:
             if l.allocated:
                 l.select_(idx.to(l.v.device))
@@ -1287,6 +1328,7 @@ class PositionedKV:
         n = self._check_idle(op)
         start, end = check_range(op, start, end, n)
         if end > start:
+            self._unshare_below(start)
             self.table._vis[:, start:end] = value
         return self
 
@@ -1298,6 +1340,7 @@ class PositionedKV:
         if not SEGMENT_RANGE[0] <= label <= SEGMENT_RANGE[1]:
             fail("set_segment_ label", f"an int32 label in [{SEGMENT_RANGE[0]}, {SEGMENT_RANGE[1]}]", label)
         if end > start:
+            self._unshare_below(start)
             self.table._seg[:, start:end] = label
         return self
 
@@ -1500,6 +1543,7 @@ class PositionedKV:
         for l in self.layers:
             l.truncate(keep)
         self.table.truncate(keep)
+        self._unshare_below(keep)          # later appends write from `keep` on
 
     def reorder_rows_(self, rows: torch.Tensor | Sequence[int]) -> None:
         """Batch rows become `rows` (1-D indices into the current rows; repeats allowed): beam reordering,

@@ -17,7 +17,7 @@ made by another model, dtype, weights or anchor is found and *refused* with an e
 
 Every byte of a stored entry is verified before use: the checksum covers the tensors (name, dtype, shape, bytes)
 AND the metadata (format, start, fingerprint, meta); the header must parse into exactly the expected fields and
-types. Any damage surfaces as CorruptChunkError; the store then drops the entry and the caller recomputes it. Nothing
+types; keys and values, as served (dequantized), must be finite. Any damage surfaces as CorruptChunkError; the store then drops the entry and the caller recomputes it. Nothing
 is ever pickled or evaluated. Keys and namespaces are validated, so no input reaches a path outside a DiskBackend's
 root.
 
@@ -544,6 +544,10 @@ def _deserialize(blob: bytes) -> ChunkKV:
     if not isinstance(extra, dict):
         raise CorruptChunkError("entry: meta: expected a JSON object")
     keys, values = _dequantized(tensors, *_scheme_of(meta))
+    for name, t in (("keys", keys), ("values", values)):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CorruptChunkError(f"entry: {name}: expected finite numbers, got NaN or inf (after dequantizing: "
+                                    "a crafted entry, e.g. huge scales, or KV of a diverged forward); recompute it")
     try:
         return ChunkKV(tensors["ids"], keys, values, int(meta["start"]), Fingerprint.from_json(meta["fingerprint"]),
                        extra)

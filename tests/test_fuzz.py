@@ -405,7 +405,8 @@ field_text = st.one_of(st.text(max_size=12), st.sampled_from(["5", "-1", "5.0", 
 
 @settings(max_examples=EXAMPLES * 10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(start=field_text, meta=field_text, fingerprint=field_text, fmt=st.sampled_from(["2", "1", "3", "x"]),
-       shape=st.sampled_from(["ok", "ids_float", "values_short", "keys_int", "extra_tensor"]))
+       shape=st.sampled_from(["ok", "ids_float", "values_short", "keys_int", "extra_tensor", "nan_keys",
+                              "inf_values"]))
 def test_crafted_resigned_entries_are_verified_field_by_field(fuzz_record, start, meta, fingerprint, fmt, shape):
     from safetensors.torch import save
 
@@ -420,6 +421,10 @@ def test_crafted_resigned_entries_are_verified_field_by_field(fuzz_record, start
         t["keys"] = c.raw_keys.to(torch.int32)
     elif shape == "extra_tensor":
         t["extra"] = torch.zeros(1)
+    elif shape == "nan_keys":
+        t["keys"] = c.raw_keys.clone().index_fill_(2, torch.tensor([1]), float("nan"))
+    elif shape == "inf_values":
+        t["values"] = c.values.clone().index_fill_(3, torch.tensor([0]), float("-inf"))
     m = {"format": fmt, "start": start, "fingerprint": fingerprint, "meta": meta}
     m["checksum"] = _checksum(t, m)
     try:

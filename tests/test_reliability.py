@@ -306,6 +306,52 @@ def test_a_crafted_entry_with_a_valid_checksum_but_bad_fields_is_corrupt():
             deserialize(save(t, metadata=meta))
 
 
+@pytest.mark.parametrize("scheme,edit", [
+    ("int8", "huge_scale"), ("int8", "nan_scale"), ("int4", "huge_scale"), ("float", "nan_key"),
+    ("float", "inf_value"), ("bfloat16", "nan_key")])
+def test_a_resigned_entry_with_non_finite_content_is_corrupt(scheme, edit):
+    """Scales that are finite but huge (3e38) dequantize to inf; float entries may carry NaN / inf outright. Both
+    are refused as corrupt once re-signed (the checksum alone cannot tell), and a ChunkStore drops them."""
+    from safetensors.torch import load, save
+
+    from kvpos.store import _checksum
+    c = _chunk()
+    if scheme == "bfloat16":
+        c = ChunkKV(c.ids, c.raw_keys.bfloat16(), c.values.bfloat16(), c.start, c.fingerprint)
+    blob = serialize(c, "float" if scheme == "bfloat16" else scheme)
+    n = int.from_bytes(blob[:8], "little")
+    import json as _json
+    meta = _json.loads(blob[8:8 + n])["__metadata__"]
+    t = dict(load(blob))
+    if edit == "huge_scale":
+        t["keys_scale"] = torch.full_like(t["keys_scale"], 3e38)
+    elif edit == "nan_scale":
+        t["values_scale"] = t["values_scale"].clone()
+        t["values_scale"].view(-1)[0] = float("nan")
+    elif edit == "nan_key":
+        t["keys"] = t["keys"].clone()
+        t["keys"].view(-1)[3] = float("nan")
+    else:
+        t["values"] = t["values"].clone()
+        t["values"].view(-1)[-1] = float("inf")
+    meta["checksum"] = _checksum(t, meta)
+    crafted = save(t, metadata=meta)
+    with pytest.raises(CorruptChunkError, match="finite"):
+        deserialize(crafted)
+    mem = {}
+
+    class Raw(MemoryBackend):
+        def get(self, key):
+            return deserialize(mem[key]) if key in mem else None
+
+        def delete(self, key):
+            mem.pop(key, None)
+
+    store = ChunkStore(Raw(), FP)
+    mem[store.key(c.ids)] = crafted
+    assert store.get(c.ids) is None and store.stats.corrupt == 1 and not mem
+
+
 def test_a_damaged_entry_is_dropped_and_recomputed_not_a_permanent_failure(tmp_path):
     model = tiny_model("llama")[0]
     backend = DiskBackend(tmp_path)
@@ -539,3 +585,47 @@ def test_gpt_j_is_refused_clearly():
         PositionedCache.from_model(model)
     with pytest.raises(UnsupportedRopeError):
         rope_specs_from_model(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# appending(): a crop below the entry length, appends over the cropped slots, then an exception
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _observed(cache) -> tuple:
+    """Slot count, positions, visibility, labels and every layer's (raw keys, values), read through public names."""
+    return (cache.num_slots, cache.positions, cache.visible, cache.segments, cache.raw_kv())
+
+
+def _same_observed(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:4], b[1:4])) and all(
+        torch.equal(k1, k2) and torch.equal(v1, v2) for (k1, v1), (k2, v2) in zip(a[4], b[4]))
+
+
+@pytest.mark.parametrize("storage", ["rotated", "raw", "int8"])
+@pytest.mark.parametrize("then", ["append", "shift", "delete", "hide", "label"])
+def test_appending_restores_every_slot_after_a_crop_below_entry_and_a_rewrite(storage, then):
+    """transformers crops above the entry length; a caller may crop below it and then write over the cropped
+    slots (or re-position, delete, hide, relabel slots that existed at entry): the block's rollback must still
+    restore the keys, values and positions of entry, on every storage."""
+    model = tiny_model("llama")[0]
+    cache = PositionedCache.from_model(model, storage=storage)
+    extend(model, cache, torch.randint(3, 128, (1, 70)))            # int8: two sealed groups and a tail
+    before = _observed(cache)
+    with pytest.raises(Boom), cache.appending():
+        cache.crop(-40)
+        if then == "append":
+            extend(model, cache, torch.randint(3, 128, (1, 45)))      # over slots 30..69, beyond entry too
+        elif then == "shift":
+            cache.shift_(0, 10, 7)
+        elif then == "delete":
+            cache.delete_(2, 5)
+        elif then == "hide":
+            cache.hide_(0, 3)
+        else:
+            cache.set_segment_(0, 3, 5)
+        raise Boom("after the rewrite")
+    assert _same_observed(before, _observed(cache))
+    twin = PositionedCache.from_model(model, storage=storage)
+    twin.append_raw_(cache.raw_kv(), cache.positions)
+    ids = torch.randint(3, 128, (1, 3))                               # works on, as if nothing happened
+    assert torch.allclose(extend(model, cache, ids), extend(model, twin, ids), atol=1e-5)
