@@ -256,6 +256,10 @@ def _limit_for(config: Any, rope_type: str, layer_type: str | None, rotary: Any)
         "kvpos cannot re-position keys for an encoding it does not know exactly")
 
 
+# decoder layer types whose state is keys and values at positions (what a PositionedKV holds)
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
 def rope_specs_from_model(model: Any, angle_dtype: torch.dtype = torch.float32) -> list[RopeSpec]:
     """Build one RopeSpec per decoder layer from a loaded transformers causal LM.
 
@@ -275,9 +279,25 @@ def rope_specs_from_model(model: Any, angle_dtype: torch.dtype = torch.float32) 
             f"(model_type={model_type!r}) without one; ALiBi and learned absolute positions cannot be re-positioned")
     if getattr(config, "rope_parameters", None) and _rope_param(config, None, "mrope_section"):
         raise UnsupportedRopeError(f"model_type={model_type!r}: M-RoPE (3-D positions) is not supported")
+    if getattr(config, "kv_lora_rank", None):
+        raise UnsupportedRopeError(
+            f"model_type={model_type!r}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}) rotates only "
+            f"a {getattr(config, 'qk_rope_head_dim', '?')}-dim part of keys built from a compressed latent; kvpos's "
+            "per-layer RoPE specs do not describe that layout")
     n_layers = int(config.num_hidden_layers)
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
-    head_dim = _head_dim(config)
+    other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
+    if other:
+        raise UnsupportedRopeError(
+            f"model_type={model_type!r}: layer types {other} keep state other than positioned keys and values "
+            "(recurrent, linear or indexed attention); run such hybrid models with transformers' own cache")
+    try:
+        head_dim = _head_dim(config)
+    except RuntimeError as e:       # transformers' AmbiguousGlobalPerLayerAttributeError: head sizes vary by layer
+        if "per-layer" not in str(e):
+            raise
+        raise UnsupportedRopeError(f"model_type={model_type!r}: a heterogeneous config (head sizes that vary by "
+                                   "layer) is not supported") from e
     layout = RopeLayout.INTERLEAVED if model_type in _INTERLEAVED_MODEL_TYPES else RopeLayout.HALF
     per_type: dict[str | None, RopeSpec] = {}
     specs = []

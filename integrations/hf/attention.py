@@ -28,7 +28,7 @@ from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 
 __all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "bind_attention", "current_binding",
-           "allowed_from_mask", "layers_heads", "RawRead", "hand_raw_keys", "uses_kvpos_attention",
+           "allowed_from_mask", "layers_heads", "RawRead", "hand_raw_keys", "pending_raw_read", "uses_kvpos_attention",
            "switch_to_kvpos"]
 
 NAME = "kvpos"
@@ -113,7 +113,12 @@ def allowed_from_mask(mask: torch.Tensor | None, q: int, N: int, device: torch.d
 class RawRead:
     """Raw keys a storage="raw" PositionedCache handed to the next attention call of `layer` (one decode token per
     row): the call rotates them on read itself. `strict`: the cache's read="fused" (an attention call the kernel
-    cannot serve raises, after dropping the forward's slots from `n0` on) instead of rotating into a buffer."""
+    cannot serve raises, after dropping the forward's slots from `n0` on) instead of rotating into a buffer.
+
+    The hand-off is checked at every call: the attention of `layer` must receive exactly the keys and values the
+    cache returned (`ptr`, `vptr`), once. An architecture that changes them in between (repeats them, splits the
+    values, calls attention twice) would otherwise read unrotated keys as if rotated: the call raises instead
+    (`calls` counts the attention calls that took this hand-off)."""
 
     cache_ref: Any                    # weakref.ref to the PositionedKV (a context variable never keeps a cache alive)
     layer: int
@@ -122,6 +127,9 @@ class RawRead:
     n0: int
     state: Any
     strict: bool
+    vptr: int = 0
+    modules: frozenset = frozenset()  # ids of the modules of the cache's model (other models' calls pass by)
+    calls: int = 0
 
     @property
     def cache(self) -> PositionedKV:
@@ -134,10 +142,38 @@ class RawRead:
         return getattr(module, "layer_idx", None) == self.layer and key.data_ptr() == self.ptr \
             and key.shape[2] == self.n
 
+    def check_call(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether this attention call takes the hand-off (raises if it touches it wrongly)."""
+        mine = getattr(module, "layer_idx", None) == self.layer and id(module) in self.modules
+        raw_key = key.data_ptr() == self.ptr
+        if not mine or (self.calls and not raw_key) or self.cache_ref() is None:
+            return False
+        why = None
+        if self.calls:
+            why = "a second attention call on the raw keys (the architecture attends twice per layer)"
+        elif not raw_key or key.shape[2] != self.n:
+            why = (f"keys {tuple(key.shape)} other than the raw keys the cache returned (the architecture changes "
+                   "them between cache.update and attention, e.g. repeats them)")
+        elif value.data_ptr() != self.vptr:
+            why = "values other than those the cache returned (the architecture changes them before attention)"
+        if why is not None:
+            _RAW.set(None)
+            self.cache._drop_tail_(self.n0)
+            fail(f"PositionedCache(storage={self.cache.storage!r}) layer {self.layer}: raw-key hand-off",
+                 "the attention call receiving the raw keys and values the cache returned, once", why,
+                 "build the cache with read='torch' (keys rotated into a buffer: exact for every architecture)")
+        self.calls += 1
+        return True
+
 
 def hand_raw_keys(read: RawRead) -> None:
     """Announce raw keys to this thread's next "kvpos" attention call (the cache's update calls this)."""
     _RAW.set(read)
+
+
+def pending_raw_read() -> RawRead | None:
+    """The last hand-off announced in this thread (taken or not: see RawRead.calls)."""
+    return _RAW.get()
 
 
 _UNFUSED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
@@ -206,8 +242,7 @@ def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       **kwargs)
     b = _BINDING.get()
     read = _RAW.get()
-    if read is not None and read.matches(module, key):
-        _RAW.set(None)
+    if read is not None and read.check_call(module, key, value):
         bound = b is not None and id(module) in b.modules
         out = None if bound else _raw_attention(read, module, query, value, attention_mask, dropout, scaling,
                                                 kwargs)

@@ -27,7 +27,7 @@ from kvpos._kernels import kernel_status, rope_kernel_available
 from kvpos.cache import PositionedKV, QuantSlotLayer, SlotLayer
 from kvpos.rope import RopeSpec, rope_specs_from_model
 
-from .attention import RawRead, hand_raw_keys, switch_to_kvpos, uses_kvpos_attention
+from .attention import RawRead, hand_raw_keys, pending_raw_read, switch_to_kvpos, uses_kvpos_attention
 
 __all__ = ["PositionedCache", "PositionedLayer", "register_pytree", "READS"]
 
@@ -241,6 +241,9 @@ class PositionedCache(PositionedKV, Cache):
                  "fused kernel)", repr(read), "pass storage='raw' or 'int8' with read='fused'")
         self.read = read
         self.read_counts = {"fused": 0, "torch": 0}     # storage="raw" / "int8" decode layer reads, by path
+        # why decode steps may not hand raw keys to the model's attention (from_model checks the model), or None
+        self.handoff_refused: str | None = None
+        self._modules: frozenset | None = None
         self.offloading = offloading
         self.model_id = model_id
         self._limited = any(s.max_exact_position is not None for s in self.specs)
@@ -250,8 +253,10 @@ class PositionedCache(PositionedKV, Cache):
         return cls(self, index, spec, self.raw_dtype, self.storage, self.capacity)
 
     def empty_like(self) -> "PositionedCache":
-        return type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage,
-                          self.capacity, self.read)
+        out = type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage,
+                         self.capacity, self.read)
+        out.handoff_refused = self.handoff_refused
+        return out
 
     def __iter__(self):
         """Per layer (rotated keys [B, H, T, D], values, None): what DynamicCache yields, so that
@@ -290,6 +295,12 @@ class PositionedCache(PositionedKV, Cache):
             elif read == "fused":
                 fail("PositionedCache.from_model(read='fused') model", "attn_implementation 'sdpa' (switched to "
                      "'kvpos', whose attention reads raw keys)", repr(impl), "load it with attn_implementation='sdpa'")
+            out.handoff_refused = check_raw_handoff(model, out)
+            if out.handoff_refused is not None and read == "fused":
+                fail(f"PositionedCache.from_model(storage={storage!r}, read='fused') model",
+                     "an architecture whose attention reads the raw keys exactly as the cache hands them out",
+                     f"{type(model).__name__}: {out.handoff_refused}",
+                     "use read='auto' (keys rotated into a buffer where the hand-off is not exact) or read='torch'")
         return out
 
     @classmethod
@@ -337,6 +348,8 @@ class PositionedCache(PositionedKV, Cache):
 
     def _why_not_raw_read(self, k: torch.Tensor) -> str | None:
         """Why a decode step of storage="raw" cannot hand raw keys to the fused reader, or None."""
+        if self.handoff_refused is not None:
+            return self.handoff_refused
         if not rope_kernel_available():
             return f"the C kernels are not built ({kernel_status()})"
         model = self.origin() if self.origin is not None else None
@@ -362,11 +375,32 @@ class PositionedCache(PositionedKV, Cache):
                      "serves", why, "use read='auto'")
             self.read_counts["torch"] += 1
             return self.write_rotated_(layer_idx, k, v, pos)
+        self._check_handoff_taken(layer_idx)
         n0 = self.layers[layer_idx].n
         keys, values = self.write_rotated_(layer_idx, k, v, pos, hand_raw=True)
         hand_raw_keys(RawRead(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self._handout,
-                              self.read == "fused"))
+                              self.read == "fused", values.data_ptr(), self._model_modules()))
         return keys, values
+
+    def _model_modules(self) -> frozenset:
+        """ids of the modules of the model this cache serves (computed once)."""
+        if self._modules is None:
+            model = self.origin() if self.origin is not None else None
+            self._modules = frozenset() if model is None else frozenset(id(m) for m in model.modules())
+        return self._modules
+
+    def _check_handoff_taken(self, layer_idx: int) -> None:
+        """The raw keys handed to an earlier layer of the running forward must have been read by its attention
+        (else that layer attended to something else: refuse before going on)."""
+        read = pending_raw_read()
+        fw = self._forward
+        if read is None or read.calls or read.cache_ref() is not self or fw is None or read.n0 != fw.n0 \
+                or read.layer == layer_idx:
+            return
+        self._drop_tail_(fw.n0)
+        fail(f"PositionedCache(storage={self.storage!r}) layer {read.layer}: raw-key hand-off",
+             "the layer's attention reading the raw keys the cache returned", "no 'kvpos' attention call took them",
+             "build the cache with read='torch' (keys rotated into a buffer: exact for every architecture)")
 
     def _update_traced(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -458,6 +492,62 @@ class PositionedCache(PositionedKV, Cache):
 
     def __repr__(self) -> str:
         return PositionedKV.__repr__(self)
+
+
+def check_raw_handoff(model: torch.nn.Module, cache: PositionedCache) -> str | None:
+    """Why decode steps of `cache` (storage "raw" / "int8") may not hand raw keys to `model`'s attention, or None.
+
+    Decided by trying it, not by a list of architectures: a 4-token prefill at positions ~100 and one decode step
+    through two empty caches like `cache`, one handing raw keys to the "kvpos" attention (the fused reader) and one
+    rotating them into a buffer (read="torch", exact for every architecture). The hand-off is exact when the decode
+    logits agree within rounding (an attention that reads the keys unrotated misses by O(1)) and every layer's
+    attention took the keys and values the cache returned, once. No model state changes (the caches are dropped)."""
+    why = _why_not_handoff_model(model, cache)
+    if why is not None:
+        return why
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    limits = [s.max_exact_position for s in cache.specs if s.max_exact_position is not None]
+    base = max(0, min([96] + [m - 8 for m in limits]))
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = (torch.arange(5, device=dev) * 7 + 3) % max(vocab, 1)
+    pos = torch.arange(base, base + 5, device=dev)[None]
+    out = {}
+    for mode in ("torch", "handoff"):
+        probe = type(cache)(cache.specs, cache.raw_dtype, cache.origin, cache.model_id, storage=cache.storage,
+                            read="torch" if mode == "torch" else "auto")
+        try:
+            with torch.no_grad():
+                model(input_ids=ids[None, :4], position_ids=pos[:, :4], use_cache=True, **{_cache_kwarg(model): probe})
+                logits = model(input_ids=ids[None, 4:], position_ids=pos[:, 4:], use_cache=True,
+                               **{_cache_kwarg(model): probe}).logits[0, -1].float()
+        except Exception as e:  # noqa: BLE001 - any failure of the hand-off means it is not for this model
+            return f"a decode step with raw keys handed to attention raised {type(e).__name__}: {str(e)[:160]}"
+        if mode == "handoff" and probe.read_counts["fused"] != len(cache.layers):
+            return (f"{probe.read_counts['fused']} of {len(cache.layers)} layers' attention read the raw keys "
+                    f"through the fused kernel ({probe.read_counts})")
+        out[mode], dtype = logits, probe.dtype
+    diff = float((out["handoff"] - out["torch"]).abs().max())
+    tol = (1e-3 if dtype == torch.float32 else 5e-2) * max(1.0, float(out["torch"].abs().max()))
+    if not diff <= tol:
+        return (f"decode logits with the raw-key hand-off differ from the rotated-key reference by {diff:.3g} "
+                f"(> {tol:.2g}): the architecture's attention does not read the keys as the cache hands them out")
+    return None
+
+
+def _why_not_handoff_model(model: torch.nn.Module, cache: PositionedCache) -> str | None:
+    """Reasons known without running the model (the kernels, the attention implementation)."""
+    if not rope_kernel_available():
+        return f"the C kernels are not built ({kernel_status()})"
+    if not uses_kvpos_attention(model):
+        return "the model's attention is not 'kvpos' (build the cache with from_model on an SDPA model)"
+    return None
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # -- torch.export: a PositionedCache as a pytree node (opt-in, as transformers does for its own caches) -----------

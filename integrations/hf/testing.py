@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 import transformers as T
 
-__all__ = ["TINY_ARCHS", "LIMITED_ARCHS", "tiny_model", "tiny_config"]
+__all__ = ["TINY_ARCHS", "LIMITED_ARCHS", "tiny_model", "tiny_config", "causal_lm_types", "sweep_model"]
 
 _COMMON = MappingProxyType(dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0))
@@ -74,3 +74,37 @@ def tiny_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     return model, cfg
+
+
+# -- every causal-LM architecture transformers ships, built small with one generic set of overrides ------------------
+_SWEEP = MappingProxyType(dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, head_dim=16, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, moe_intermediate_size=32, num_experts=4, num_local_experts=4,
+    num_experts_per_tok=2, n_routed_experts=4, shared_expert_intermediate_size=32, kv_channels=16,
+    ffn_hidden_size=128, n_shared_experts=1, sliding_window=512, attention_dropout=0.0, tie_word_embeddings=False))
+
+
+def causal_lm_types() -> dict[str, str]:
+    """{model_type: causal-LM class name} for every architecture of the installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def sweep_model(model_type: str, seed: int = 0) -> Any:
+    """The causal LM of `model_type` built from its default config with small generic overrides (2 layers, hidden
+    64, 4 query / 2 kv heads of 16, vocab 128, MoE and window sizes small), SDPA attention, eval mode. Raises
+    whatever the config or the model raises when the generic overrides do not fit the architecture."""
+    import logging
+
+    from transformers import CONFIG_MAPPING
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cls = getattr(T, causal_lm_types()[model_type])
+    cfg = CONFIG_MAPPING[model_type](**_SWEEP)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        model.set_attn_implementation("sdpa")
+    return model
