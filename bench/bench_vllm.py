@@ -57,8 +57,10 @@ def _sp(n: int, params: dict | None):
     return SamplingParams(max_tokens=n, temperature=0.0, extra_args={"kv_transfer_params": params} if params else None)
 
 
-def _prompt(prompt: dict, salt: str) -> dict:
-    return {**prompt, "cache_salt": salt}
+def _prompt(prompt: dict, salt: str, kvpos: bool = False) -> dict:
+    """The prompt under its own cache salt (runs never share vLLM prefix-cache blocks); a kvpos request keeps
+    RequestBuilder's kvpos salt in front (the connector refuses it otherwise)."""
+    return {**prompt, "cache_salt": (prompt["cache_salt"] if kvpos else "") + salt}
 
 
 def _timed(llm, prompts: list[dict], sps: list) -> tuple[float, list]:
@@ -110,8 +112,8 @@ def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> li
         tokens = len(prompt["prompt_token_ids"])
         t_full, o_full = _timed(llm, [_prompt(prompt, f"full{ctx}-{rep}")], [_sp(1, None)])
         t_pc, _ = _timed(llm, [_prompt(prompt, f"pc{ctx}")], [_sp(1, None)])
-        t_kv, o_kv = _timed(llm, [_prompt(prompt, f"kv{ctx}-{rep}")], [_sp(1, _kvpos_params(params))])
-        t_kr, o_kr = _timed(llm, [_prompt(prompt, f"kr{ctx}-{rep}")], [_sp(1, _kvpos_params(params, False))])
+        t_kv, o_kv = _timed(llm, [_prompt(prompt, f"kv{ctx}-{rep}", True)], [_sp(1, _kvpos_params(params))])
+        t_kr, o_kr = _timed(llm, [_prompt(prompt, f"kr{ctx}-{rep}", True)], [_sp(1, _kvpos_params(params, False))])
         for k, t in (("full", t_full), ("prefix_caching", t_pc), ("kvpos", t_kv), ("kvpos_redis", t_kr)):
             times[k].append(t)
         loaded.append(min(_report(o_kv[0]).get("loaded_tokens", 0), _report(o_kr[0]).get("loaded_tokens", 0)))
@@ -147,7 +149,7 @@ def accuracy(llm, rb, tok, n: int, seed: int, new_tokens: int) -> dict:
     loaded = []
     for k, it in enumerate(tqdm(items, desc="accuracy (needle, vLLM)", file=sys.stdout)):
         prompt, params = rb.request(it["passages"], it["question"])
-        outs = llm.generate([_prompt(prompt, f"accf{k}"), _prompt(prompt, f"acck{k}")],
+        outs = llm.generate([_prompt(prompt, f"accf{k}"), _prompt(prompt, f"acck{k}", True)],
                             [_sp(new_tokens, None), _sp(new_tokens, _kvpos_params(params))], use_tqdm=False)
         hits["full"] += _correct(outs[0].outputs[0].text, it["answer"])
         hits["kvpos"] += _correct(outs[1].outputs[0].text, it["answer"])
@@ -172,7 +174,7 @@ def throughput(llm, rb, tok, ctx: int, per: int, concurrent: int, new_tokens: in
         reqs.append(rb.request([ps[i] for i in order], QUESTION))
     rows = []
     for method in ("full", "kvpos"):
-        prompts = [_prompt(p, f"tp-{method}-{i}") for i, (p, _) in enumerate(reqs)]
+        prompts = [_prompt(p, f"tp-{method}-{i}", method == "kvpos") for i, (p, _) in enumerate(reqs)]
         sps = [_sp(new_tokens, _kvpos_params(q) if method == "kvpos" else None) for _, q in reqs]
         t, outs = _timed(llm, prompts, sps)
         gen = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -53,7 +53,8 @@ __all__ = [
     "FingerprintMismatch", "CorruptChunkError", "StoreUnavailable", "StoreServerError", "content_key",
     "model_fingerprint", "WeightsDigest", "serialize", "deserialize", "FORMAT_VERSION", "check_key",
     "check_namespace", "tensors_digest", "checkpoint_digest", "rope_digest", "config_digest", "SCHEMES",
-    "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "INT4_GROUP",
+    "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "INT4_GROUP", "header_fingerprint",
+    "header_length",
 ]
 
 FORMAT_VERSION = 2   # 2: the checksum covers metadata too (format 1 entries are refused as unverifiable)
@@ -73,6 +74,7 @@ _TENSORS = MappingProxyType({"float": frozenset({"ids", "keys", "values"}),
                              "int4": frozenset({"ids", "keys", "values", "keys_scale", "values_scale", "keys_min",
                                                 "values_min"})})
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_UNKNOWN = object()   # peek of a far backend that can only say "exists": the fingerprint is checked by get
 
 
 class FingerprintMismatch(ValueError):
@@ -468,6 +470,23 @@ def _header(blob: bytes) -> dict:
     return meta
 
 
+def header_fingerprint(head: bytes) -> Fingerprint:
+    """The fingerprint an entry's header claims, from the blob's first bytes (at least 8 + the header length):
+    what a cheap existence check compares (unverified: the checksum covers the whole blob, `deserialize` checks it)."""
+    meta = _header(head)
+    return Fingerprint.from_json(meta["fingerprint"])
+
+
+def header_length(first8: bytes) -> int:
+    """Bytes of an entry's header including the 8-byte length prefix (from the blob's first 8 bytes)."""
+    if len(first8) < 8:
+        raise CorruptChunkError(f"entry: expected a safetensors blob, got {len(first8)} bytes")
+    (n,) = struct.unpack("<Q", bytes(first8[:8]))
+    if n > _MAX_HEADER:
+        raise CorruptChunkError(f"entry: header of {n} bytes (crafted)")
+    return 8 + n
+
+
 def _scheme_of(meta: dict) -> tuple[str, torch.dtype | None]:
     """(scheme, dtype keys and values are read back as) of an entry's metadata; no scheme field = "float"."""
     if "scheme" not in meta:
@@ -564,6 +583,8 @@ class Backend(Protocol):
     def put(self, key: str, chunk: ChunkKV) -> bool: ...
     def delete(self, key: str) -> None: ...
     def contains(self, key: str) -> bool: ...
+    # optional: the fingerprint an entry's header claims (None: no entry), reading the header only
+    def peek(self, key: str) -> Fingerprint | None: ...
 
 
 class MemoryBackend:
@@ -625,6 +646,15 @@ class MemoryBackend:
         """Whether an entry is held under `key` (not verified: `get` verifies)."""
         return check_key(key) in self._d
 
+    def peek(self, key: str) -> Fingerprint | None:
+        c = self._d.get(check_key(key))
+        return None if c is None else c.fingerprint
+
+    def keys(self) -> frozenset:
+        """The keys held now."""
+        with self._lock:
+            return frozenset(self._d)
+
 
 class TieredBackend:
     """A near MemoryBackend in front of a far backend (disk, Redis): gets try near first and copy far hits near;
@@ -653,8 +683,11 @@ class TieredBackend:
         return c
 
     def put(self, key: str, chunk: ChunkKV) -> bool:
+        """Far first, then near; the near tier holds what the far one serves (a quantized far scheme: the chunk as
+        it reads back from it), so every engine sharing the far store serves the same KV for one passage."""
         ok = self.far.put(key, chunk)
-        self.near.put(key, chunk)
+        scheme = getattr(self.far, "scheme", "float")
+        self.near.put(key, chunk if scheme == "float" else deserialize(serialize(chunk, scheme)))
         return ok
 
     def delete(self, key: str) -> None:
@@ -663,6 +696,15 @@ class TieredBackend:
 
     def contains(self, key: str) -> bool:
         return self.near.contains(key) or self.far.contains(key)
+
+    def peek(self, key: str) -> Fingerprint | None:
+        fp = self.near.peek(key)
+        if fp is not None:
+            return fp
+        peek = getattr(self.far, "peek", None)
+        if peek is None:
+            return None if not self.far.contains(key) else _UNKNOWN
+        return peek(key)
 
 
 class DiskBackend:
@@ -723,6 +765,18 @@ class DiskBackend:
     def contains(self, key: str) -> bool:
         """Whether a file is held under `key` (not verified: `get` verifies)."""
         return os.path.exists(self.path(key))
+
+    def peek(self, key: str) -> Fingerprint | None:
+        p = self.path(key)
+        try:
+            with open(p, "rb") as f:
+                head = f.read(8)
+                head += f.read(header_length(head) - 8)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreUnavailable(f"disk store {p}: {type(e).__name__}: {e}") from e
+        return header_fingerprint(head)
 
 
 class RedisBackend:
@@ -798,14 +852,30 @@ class RedisBackend:
         """Whether the server holds `key` (not verified: `get` verifies)."""
         return bool(self._call("exists", self.client.exists, self.prefix + check_key(key)))
 
+    def peek(self, key: str) -> Fingerprint | None:
+        """The fingerprint in the entry's header: one GETRANGE of its first 16 KiB (a second if the header is
+        longer), never the tensors."""
+        k = self.prefix + check_key(key)
+        head = self._call("getrange", self.client.getrange, k, 0, (16 << 10) - 1)
+        if not head:
+            return None
+        n = header_length(head)
+        if n > len(head):
+            head += self._call("getrange", self.client.getrange, k, len(head), n - 1)
+        return header_fingerprint(head)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the store
 # ---------------------------------------------------------------------------------------------------------------------
 
-def content_key(ids: torch.Tensor, namespace: str = "default") -> str:
-    """Storage key of a chunk: namespace + sha256 of its int64 token ids."""
-    return f"{check_namespace(namespace)}-{ids_digest(ids)}"
+def content_key(ids: torch.Tensor, namespace: str = "default", anchor: str = "") -> str:
+    """Storage key of a chunk: namespace + sha256 of its int64 token ids, and of the anchor digest it was encoded
+    after (Fingerprint.anchor) when one is given: the same passage under two anchors is two entries."""
+    digest = ids_digest(ids)
+    if anchor:
+        digest = _sha(f"{anchor}|{digest}".encode())
+    return f"{check_namespace(namespace)}-{digest}"
 
 
 @dataclass
@@ -860,14 +930,22 @@ class ChunkStore:
         return out
 
     def key(self, ids: torch.Tensor) -> str:
-        return content_key(ids, self.namespace)
+        return content_key(ids, self.namespace, self.fingerprint.anchor)
 
     def contains(self, ids: torch.Tensor) -> bool:
-        """Whether an entry for `ids` is stored (cheap, not verified; `get` verifies and may still miss). An
-        unavailable backend answers False under on_unavailable='recompute'."""
+        """Whether an entry for `ids` is stored under this store's fingerprint: the header's claim where the backend
+        can read headers alone (`peek`: memory, disk, Redis), existence otherwise. Cheap and unverified: `get`
+        verifies every byte and may still miss. An unavailable backend answers False under
+        on_unavailable='recompute'; an unreadable header is False (`get` drops the entry)."""
         key = self.key(ids)
+        peek = getattr(self.backend, "peek", None)
         try:
-            return self.backend.contains(key)
+            if peek is None:
+                return self.backend.contains(key)
+            fp = peek(key)
+            return fp is _UNKNOWN or fp == self.fingerprint
+        except CorruptChunkError:
+            return False
         except StoreUnavailable as e:
             if self.on_unavailable == "error":
                 raise

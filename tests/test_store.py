@@ -3,6 +3,8 @@ import multiprocessing as mp
 import os
 import time
 
+from dataclasses import replace
+
 import pytest
 import torch
 from redis_server import free_port
@@ -46,8 +48,23 @@ def test_round_trip_is_bit_exact(tmp_path, redis_server, name, dtype):
 
 
 @pytest.mark.parametrize("name", ["memory", "disk", "redis"])
-@pytest.mark.parametrize("field", ["model", "dtype", "anchor", "format"])
-def test_chunk_from_another_model_dtype_or_anchor_is_refused_naming_both(tmp_path, redis_server, name, field):
+def test_the_same_passage_under_two_anchors_is_two_entries(tmp_path, redis_server, name):
+    """The key holds the anchor: a passage encoded after another system prompt is a miss, never a mismatch, and
+    saving it does not overwrite the first anchor's entry."""
+    backend = _backends(tmp_path, redis_server)[name]
+    a, b = ChunkStore(backend, FP, namespace="an"), ChunkStore(backend, replace(FP, anchor="b" * 64), namespace="an")
+    c = _chunk()
+    a.put(c)
+    assert a.key(c.ids) != b.key(c.ids) and a.contains(c.ids) and not b.contains(c.ids)
+    assert b.get(c.ids) is None and b.stats.misses == 1 and b.stats.mismatches == 0
+    cb = ChunkKV(c.ids, c.raw_keys + 1, c.values, c.start, b.fingerprint)
+    b.put(cb)
+    assert torch.equal(a.get(c.ids).raw_keys, c.raw_keys) and torch.equal(b.get(c.ids).raw_keys, cb.raw_keys)
+
+
+@pytest.mark.parametrize("name", ["memory", "disk", "redis"])
+@pytest.mark.parametrize("field", ["model", "dtype", "format"])
+def test_chunk_from_another_model_or_dtype_is_refused_naming_both(tmp_path, redis_server, name, field):
     backend = _backends(tmp_path, redis_server)[name]
     ChunkStore(backend, FP, namespace="fp").put(_chunk())
     other = Fingerprint(**{**FP.__dict__, field: ("b" * 64 if field != "format" else 3)
@@ -58,6 +75,7 @@ def test_chunk_from_another_model_dtype_or_anchor_is_refused_naming_both(tmp_pat
     assert FP.short() in str(e.value) and other.short() in str(e.value)
     lenient = ChunkStore(backend, other, namespace="fp", on_mismatch="recompute")
     assert lenient.get(_chunk().ids) is None and lenient.stats.mismatches == 1
+    assert not store.contains(_chunk().ids)          # the header says whose it is: contains agrees with get
 
 
 def test_truncated_or_altered_file_is_detected_reported_and_not_used(tmp_path):
@@ -165,7 +183,8 @@ def test_store_argument_errors():
 
 
 def test_chunk_store_with_a_real_model_fingerprint(tmp_path):
-    """A chunk made with another anchor is refused by a ChunkComposer sharing the disk store's namespace."""
+    """A chunk made with another anchor is another entry (computed, not refused); one made by the same model in
+    another dtype is refused by a ChunkComposer sharing the disk store's namespace."""
     from kvpos.integrations.compose import ChunkComposer
     from kvpos.integrations.hf.testing import tiny_model
 
@@ -175,8 +194,8 @@ def test_chunk_store_with_a_real_model_fingerprint(tmp_path):
     ids = torch.tensor([7, 8, 9, 10])
     a.precompute([ids], progress=False)
     b = ChunkComposer(model, torch.tensor([1, 5, 7]), backend=backend)
-    with pytest.raises(FingerprintMismatch, match="anchor="):
-        b.get_or_compute(ids)
+    b.get_or_compute(ids)
+    assert b.store.stats.misses == 1 and b.store.stats.mismatches == 0 and a.store.contains(ids)
     c = ChunkComposer(model.to(torch.bfloat16), torch.tensor([1, 5, 6]), backend=backend)
     with pytest.raises(FingerprintMismatch, match="dtype=bfloat16"):
         c.get_or_compute(ids)
@@ -377,3 +396,16 @@ def test_crafted_int4_entries_are_corrupt_not_served(edit):
     blob = _resigned(serialize(_chunk(S=80), "int4"), edit)
     with pytest.raises(CorruptChunkError):
         deserialize(blob)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tiered_store_serves_from_memory_what_its_far_store_serves(tmp_path, scheme):
+    """Engines sharing a quantized far store must serve one passage the same way, whether the chunk comes from
+    the memory tier of the engine that computed it or from the far store."""
+    far = DiskBackend(tmp_path / "far", scheme=scheme)
+    tiered = ChunkStore(TieredBackend(MemoryBackend(1 << 22), far), FP)
+    c = _chunk()
+    tiered.put(c)
+    near, from_far = tiered.get(c.ids), ChunkStore(far, FP).get(c.ids)
+    assert torch.equal(near.raw_keys, from_far.raw_keys) and torch.equal(near.values, from_far.values)
+    assert not torch.equal(near.raw_keys, c.raw_keys)            # quantized: the far scheme, not the float chunk

@@ -21,12 +21,17 @@ CONNECTOR_MODULE = "kvpos.integrations.vllm.connector"
 
 
 def engine_kwargs(model_dir: str, store: str, namespace: str = "default", save: bool = True, **llm_kw: Any) -> dict:
-    """Keyword arguments of vllm.LLM (or `vllm serve` flags' equivalent) with the kvpos connector configured."""
+    """Keyword arguments of vllm.LLM (or `vllm serve` flags' equivalent) with the kvpos connector configured:
+    kv_load_failure_policy="recompute" (a chunk that cannot be loaded is recomputed by vLLM, never an empty
+    output). Prefix caching stays as vLLM sets it: kvpos requests carry their own cache salt (params.py)."""
     from vllm.config import KVTransferConfig
 
     if not isinstance(store, str) or not store:
         fail("engine_kwargs store", "'redis://host:port/db' or 'disk:///absolute/path'", repr(store))
+    if not isinstance(save, bool):
+        fail("engine_kwargs save", "a bool", f"{type(save).__name__} {save!r}", exc=TypeError)
     cfg = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
+                           kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"store": store, "namespace": namespace, "save": save})
     return {"model": model_dir, "kv_transfer_config": cfg, **llm_kw}
 

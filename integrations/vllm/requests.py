@@ -2,7 +2,8 @@
 passages are. No engine import: build requests anywhere, send them to any vLLM with the connector.
 
     rb = RequestBuilder(tokenizer)                         # the model's chat template, one user turn per passage
-    prompt, params = rb.request(passages, question)        # {"prompt_token_ids": [...]}, {"kvpos": {...}}
+    prompt, params = rb.request(passages, question)        # {"prompt_token_ids": [...], "cache_salt": "kvpos:.."},
+                                                           # {"kvpos": {...}}
     llm.generate(prompt, SamplingParams(max_tokens=32, extra_args={"kv_transfer_params": params}))
 """
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvpos.prompt import ChatPromptBuilder, PromptParts
+
+from .params import kvpos_salt
 
 __all__ = ["RequestBuilder", "segments_of"]
 
@@ -33,14 +36,19 @@ class RequestBuilder:
     def parts(self, passages: Sequence[str], question: str) -> PromptParts:
         return self.builder.parts(passages, question)
 
-    def request(self, passages: Sequence[str], question: str, save: bool = True) -> tuple[dict, dict]:
-        """({"prompt_token_ids": ids}, kv_transfer_params) for passages + question."""
-        return self.from_parts(self.parts(passages, question), save)
+    def request(self, passages: Sequence[str], question: str, save: bool = True, salt: str = "") -> tuple[dict, dict]:
+        """({"prompt_token_ids": ids, "cache_salt": ...}, kv_transfer_params) for passages + question; `salt`: the
+        caller's own cache salt, appended to kvpos's (requests with other salts never share prefix-cache blocks)."""
+        return self.from_parts(self.parts(passages, question), save, salt)
 
     @staticmethod
-    def from_parts(parts: PromptParts, save: bool = True) -> tuple[dict, dict]:
+    def from_parts(parts: PromptParts, save: bool = True, salt: str = "") -> tuple[dict, dict]:
+        """The prompt (token ids and the cache salt that keeps loaded blocks apart from plain ones in vLLM's prefix
+        cache, `salt` appended: a caller's own salt) and kv_transfer_params."""
         ids = parts.full_ids()[0].tolist()
-        return {"prompt_token_ids": ids}, {"kvpos": {"segments": segments_of(parts), "save": save}}
+        segments = segments_of(parts)
+        return ({"prompt_token_ids": ids, "cache_salt": kvpos_salt(segments) + salt},
+                {"kvpos": {"segments": segments, "save": save}})
 
     def precompute_request(self, passage: str) -> tuple[dict, dict]:
         """anchor + passage alone (the passage is computed right after the anchor, so its KV is saved)."""

@@ -12,6 +12,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_env import MODEL  # noqa: E402
 
+BLOCKS = 10                     # KV blocks of 128 tokens in the test engine
+
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
@@ -31,8 +33,10 @@ def engine(redis_url):
 
     from kvpos.integrations.vllm.engine import engine_kwargs
 
-    llm = LLM(**engine_kwargs(MODEL, redis_url), dtype="float32", enforce_eager=True, max_model_len=4096,
-              max_num_seqs=4, enable_prefix_caching=False, max_num_batched_tokens=4096, seed=0)
+    # the README's configuration (prefix caching on) with a small block pool: 4 concurrent requests get preempted
+    llm = LLM(**engine_kwargs(MODEL, redis_url), dtype="float32", enforce_eager=True, max_model_len=(BLOCKS - 1) * 128,
+              max_num_seqs=4, enable_prefix_caching=True, max_num_batched_tokens=(BLOCKS - 1) * 128, seed=0,
+              num_gpu_blocks_override=BLOCKS)
     yield llm
 
 

@@ -28,12 +28,13 @@ def _ask(engine, prompt, params, n=10, logprobs=8):
 
 
 def test_passages_in_their_stored_order_equal_vllm_without_the_connector(engine, tok):
-    """One stored chunk holding three passages in order, loaded where it was computed: exact prefix reuse."""
+    """One stored chunk holding three passages in order, loaded where it was computed: exact prefix reuse. (A salt
+    of its own keeps the request from vLLM's prefix-cache blocks of the precompute request, so it loads.)"""
     rb = RequestBuilder(tok)
     ps = _passages(tok, 3, seed=11)
     joined = " ".join(ps)
     precompute(engine, rb, [joined], progress=False)
-    prompt, params = rb.request([joined], "Summarize the passage in one sentence.")
+    prompt, params = rb.request([joined], "Summarize the passage in one sentence.", salt="t1")
     got, lp, rep = _ask(engine, prompt, params)
     want, lp_want, _ = _ask(engine, prompt, None)
     assert rep["loaded_tokens"] > 0 and rep["loaded_tokens"] % 128 == 0, rep
@@ -114,3 +115,144 @@ if __name__ == "__main__":
     prompt, params = rb.request(ps[::-1], "Which passage is the longest?")
     _, _, rep = _ask(engine, prompt, {**params, "kvpos": {**params["kvpos"], "save": False}}, n=2)
     assert rep["loaded_segments"] == 5 and rep["local_tokens"] == 0, rep
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reliability: preemption, vLLM's prefix cache, anchors, damaged entries, strict parameters
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _sp(n, params=None, logprobs=None, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=logprobs, ignore_eos=True,
+                          extra_args={"kv_transfer_params": params} if params else None, **kw)
+
+
+def engine_redis(engine):
+    """(host, port) of the test engine's Redis store."""
+    url = engine.llm_engine.vllm_config.kv_transfer_config.kv_connector_extra_config["store"]
+    host, port = url[len("redis://"):].split("/")[0].split(":")
+    return host, int(port)
+
+
+def _plain(prompt):
+    return {"prompt_token_ids": prompt["prompt_token_ids"]}
+
+
+def test_concurrent_requests_forced_into_preemption_give_the_tokens_of_each_alone(engine, tok):
+    """Four requests over reordered stored passages, together, on a pool of 10 blocks: vLLM preempts some of them
+    and schedules them again; a resumed request must get its stored passages loaded again (not garbage blocks),
+    so its greedy tokens equal those of the same request run alone."""
+    rb = RequestBuilder(tok)
+    ps = _passages(tok, 8, seed=21)
+    precompute(engine, rb, ps, progress=False)
+    q = "Write a long story about the passages."
+    def reqs(run):
+        return [rb.request([ps[2 * i + 1], ps[2 * i]], q, salt=f"{run}{i}") for i in range(4)]
+    alone = [engine.generate(p, _sp(100, params), use_tqdm=False)[0] for p, params in reqs("alone")]
+    together = engine.generate([p for p, _ in reqs("together")], [_sp(100, params) for _, params in reqs("together")],
+                               use_tqdm=False)
+    reports = [o.kv_transfer_params["kvpos"] for o in together]
+    for a, t, r in zip(alone, together, reports):
+        assert list(t.outputs[0].token_ids) == list(a.outputs[0].token_ids), r
+        assert a.kv_transfer_params["kvpos"]["loaded_segments"] == 3 and "load_failed" not in r, r
+    assert sum(r.get("preemptions", 0) for r in reports) >= 1, reports       # the test forced a preemption
+
+
+def test_preempted_requests_have_their_passages_loaded_again_without_prefix_caching(redis_url, tmp_path):
+    """Without prefix caching a resumed request keeps nothing: the connector must load its stored passages again
+    (the scheduler's promise is kept by a second round of loads), and its tokens equal those of the request alone.
+    Run in an engine of its own (prefix caching off, 8 blocks)."""
+    out = tmp_path / "preempt.json"
+    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "preempt_engine.py"), MODEL,
+                          redis_url, str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0 and out.exists(), res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    reports = [r["kvpos"] for r in rows["together"]]
+    assert any(r.get("load_rounds", 0) >= 2 for r in reports), reports       # a resumed request loaded again
+    for a, t in zip(rows["alone"], rows["together"]):
+        assert t["tokens"] == a["tokens"], t["kvpos"]
+        assert "load_failed" not in t["kvpos"] and a["kvpos"]["loaded_segments"] == 3, t["kvpos"]
+
+
+def test_a_plain_request_after_a_kvpos_request_gets_vllms_own_output(engine, tok):
+    """With prefix caching on, blocks loaded from re-positioned passages must not serve a later request with the
+    same tokens and no kvpos parameters: its first-step log-probabilities equal a fresh computation's."""
+    rb = RequestBuilder(tok)
+    ps = _passages(tok, 3, seed=22)
+    precompute(engine, rb, ps, progress=False)
+    prompt, params = rb.request([ps[2], ps[0], ps[1]], "Which passage mentions a date?")
+    _, lp_kvpos, rep = _ask(engine, prompt, params, n=2)
+    assert rep["loaded_segments"] == 4, rep
+    fresh = engine.generate(_plain(prompt), _sp(2, logprobs=8, skip_reading_prefix_cache=True), use_tqdm=False)[0]
+    plain = engine.generate(_plain(prompt), _sp(2, logprobs=8), use_tqdm=False)[0]
+    want, got = fresh.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
+    assert max(abs(lp_kvpos[t].logprob - x.logprob) for t, x in want.items() if t in lp_kvpos) > 1e-3  # reuse differs
+    for t, x in want.items():
+        assert abs(got[t].logprob - x.logprob) < 2e-3, (t, got[t].logprob, x.logprob)
+
+
+def test_one_passage_stored_under_two_system_prompts_is_loaded_under_each(engine, tok):
+    """The store key holds the anchor: saving a passage after one system prompt does not overwrite its entry
+    after another, and the scheduler only claims what the worker will find."""
+    a = RequestBuilder(tok, system_prompt="You are a careful assistant.")
+    b = RequestBuilder(tok, system_prompt="You answer in one short sentence.")
+    ps = _passages(tok, 2, seed=23)
+    for rb in (a, b):
+        precompute(engine, rb, ps, progress=False)
+    import redis
+
+    from kvpos.store import content_key, ids_digest
+
+    host, port = engine_redis(engine)
+    client = redis.Redis(host=host, port=port)
+    for rb in (a, b):                                               # two entries, neither overwrote the other
+        assert client.exists("kvpos:" + content_key(rb.builder.chunk_ids(ps[0]), "default",
+                                                    ids_digest(rb.builder.anchor_ids)))
+    for rb in (a, b):
+        prompt, params = rb.request(ps[::-1], "What is the first passage about?", salt="anchors")
+        out = engine.generate(prompt, _sp(4, params), use_tqdm=False)[0]
+        rep = out.kv_transfer_params["kvpos"]
+        assert rep["loaded_segments"] == 3 and "load_failed" not in rep, rep
+        assert out.outputs[0].finish_reason != "error" and len(out.outputs[0].token_ids) == 4
+
+
+def test_a_corrupt_entry_is_recomputed_by_vllm_with_the_reason_in_the_report(engine, tok):
+    """A damaged far-store entry passes the scheduler's header check and fails the worker's verification: vLLM
+    recomputes from its first block on, so the request gets vLLM's own output, and its report says why."""
+    import redis
+
+    from kvpos.store import content_key, ids_digest
+
+    rb = RequestBuilder(tok)
+    ps = _passages(tok, 2, seed=24)
+    precompute(engine, rb, ps, progress=False)
+    anchor = rb.builder.anchor_ids
+    key = "kvpos:" + content_key(rb.builder.chunk_ids(ps[1]), "default", ids_digest(anchor))
+    host, port = engine_redis(engine)
+    client = redis.Redis(host=host, port=port)
+    blob = bytearray(client.get(key))
+    blob[-5] ^= 0xFF                                                 # a byte of the tensors: the checksum fails
+    client.set(key, bytes(blob))
+    prompt, params = rb.request(ps, "Summarize both passages.", salt="corrupt")
+    params["kvpos"]["memory"] = False                                # read the far store (the memory tier is intact)
+    got, lp, rep = _ask(engine, prompt, params, n=8)
+    assert any("corrupt: " in f and "checksum" in f for f in rep.get("load_failed", [])), rep
+    want = engine.generate(_plain(prompt), _sp(8, logprobs=8, skip_reading_prefix_cache=True), use_tqdm=False)[0]
+    assert list(got) == list(want.outputs[0].token_ids)
+    for t, x in want.outputs[0].logprobs[0].items():
+        assert abs(lp[t].logprob - x.logprob) < 2e-3, (t, lp[t].logprob, x.logprob)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda p, s: ({"prompt_token_ids": p["prompt_token_ids"]}, s), "cache_salt: expected a salt starting with"),
+    (lambda p, s: (p, {"kvpos": {**s["kvpos"], "save": "false"}}), "kvpos save: expected true or false"),
+    (lambda p, s: (p, {"kvpos": {**s["kvpos"], "segments": "0-10"}}), "kvpos segments: expected a non-empty list.*str"),
+    (lambda p, s: (p, {"kvpos": {**s["kvpos"], "segment": []}}), "unknown keys \\['segment'\\]"),
+])
+def test_bad_parameters_are_refused_by_name_and_the_request_runs_plain(engine, tok, edit, match):
+    import re
+
+    rb = RequestBuilder(tok)
+    prompt, params = edit(*rb.request(_passages(tok, 2, seed=25), "Anything?"))
+    got, _, rep = _ask(engine, prompt, params, n=3)
+    assert re.search(match, rep["refused"]) and rep["loaded_tokens"] == 0, rep
+    assert len(got) == 3

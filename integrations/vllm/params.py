@@ -1,0 +1,90 @@
+"""What a request tells the kvpos connector, validated strictly: `kv_transfer_params["kvpos"]` and the cache salt.
+
+    {"segments": [[0, A, "anchor"], [A, B, "chunk"], ...], "save": true, "memory": true}
+
+No engine import: the connector (scheduler side) calls `parse_request`; `RequestBuilder` writes what it accepts.
+
+Prefix caching. vLLM hashes every block it holds by the tokens before it; blocks the connector fills from passages
+encoded apart (re-positioned, position-independent KV) are not what vLLM would compute for those tokens, so they
+must never be found by a request that did not ask for kvpos. With prefix caching on, a kvpos request therefore
+carries a cache salt (vLLM puts it into the hash of the first block, and so of every block) that starts with
+`kvpos_salt(segments)`; anything after it is the caller's own salt. A request without it is refused (it runs as
+plain vLLM and says why).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpos._checks import fail
+
+__all__ = ["RequestParams", "parse_request", "kvpos_salt", "SALT_PREFIX"]
+
+SALT_PREFIX = "kvpos:"
+_KEYS = ("segments", "save", "memory")
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """A validated kvpos request: contiguous segments from token 0 (the anchor first, then passages), whether to
+    save passages vLLM computes, whether to use the worker-memory tier."""
+
+    segments: tuple[tuple[int, int, str], ...]
+    save: bool
+    memory: bool
+
+
+def kvpos_salt(segments: Any) -> str:
+    """The cache salt prefix of a request with these segments: "kvpos:" + sha256 of their canonical JSON."""
+    canon = json.dumps([[int(a), int(b), str(k)] for a, b, k in segments], separators=(",", ":"))
+    return SALT_PREFIX + hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+def _flag(params: dict, key: str, default: bool) -> bool:
+    v = params.get(key, default)
+    if not isinstance(v, bool):
+        fail(f"kvpos {key}", "true or false (a JSON boolean)", f"{type(v).__name__} {v!r}")
+    return v
+
+
+def parse_segments(segments: Any, n_prompt: int) -> tuple[tuple[int, int, str], ...]:
+    """[start, end, kind] triples, contiguous from token 0, the first the anchor, the rest chunks, inside the
+    prompt of `n_prompt` tokens. Raises ValueError naming the first problem."""
+    if not isinstance(segments, list) or not segments:
+        got = f"an empty list" if isinstance(segments, list) else f"{type(segments).__name__} {str(segments)[:60]}"
+        fail("kvpos segments", "a non-empty list of [start, end, kind]", got)
+    out, pos = [], 0
+    for i, s in enumerate(segments):
+        if not isinstance(s, (list, tuple)) or len(s) != 3 or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in s[:2]) or not isinstance(s[2], str):
+            fail(f"kvpos segments[{i}]", "[start, end, kind] with int start < end and a kind string", str(s)[:80])
+        a, b, kind = s
+        want = "anchor" if i == 0 else "chunk"
+        if kind != want or a != pos or b <= a or b > n_prompt:
+            fail(f"kvpos segments[{i}]", f"[{pos}, end <= {n_prompt}, {want!r}] (contiguous from token 0)", list(s))
+        out.append((a, b, kind))
+        pos = b
+    return tuple(out)
+
+
+def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bool, default_save: bool
+                  ) -> RequestParams:
+    """Validate kv_transfer_params["kvpos"] of a request with `n_prompt` prompt tokens. `salted`: the engine runs
+    with prefix caching, so `cache_salt` must start with kvpos_salt(segments). Raises ValueError naming the
+    offending field and value."""
+    if not isinstance(params, dict):
+        fail("kvpos params", "an object {segments, save?, memory?}", f"{type(params).__name__} {str(params)[:60]}")
+    unknown = sorted(str(k) for k in params if k not in _KEYS)
+    if unknown:
+        fail("kvpos params", f"only the keys {list(_KEYS)}", f"unknown keys {unknown}")
+    segments = parse_segments(params.get("segments"), n_prompt)
+    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True))
+    if salted:
+        want = kvpos_salt(segments)
+        if not isinstance(cache_salt, str) or not cache_salt.startswith(want):
+            fail("kvpos request cache_salt", f"a salt starting with {want!r} (RequestBuilder sets it)",
+                 repr(cache_salt), "with prefix caching on, blocks filled from stored passages must not be hashed like "
+                 "blocks vLLM computed; pass the prompt as RequestBuilder builds it (its 'cache_salt' included)")
+    return out
