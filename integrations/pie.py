@@ -46,7 +46,7 @@ from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, norm
     with_tail
 from kvpos.integrations.compose import AttentionMassProbe, blend_recompute, recompute_slots
 from kvpos.integrations.hf import MarginWatch, PositionedCache, additive_mask, bind_attention, extend, generate
-from kvpos.integrations.hf.run import cache_kwarg, takes_logits_to_keep
+from kvpos.integrations.hf.run import cache_kwarg, check_vocab, takes_logits_to_keep
 
 __all__ = ["EditSession", "EditResult", "Completion", "attention_mass"]
 
@@ -115,6 +115,7 @@ class EditSession:
         new_ids = torch.tensor(apply_edits(self.ids, edits), dtype=torch.long)
         if new_ids.numel() == 0:
             fail("edits", "a non-empty document after editing", "every token deleted")
+        check_vocab("edits: inserted token ids", self.model, new_ids)
         t0 = time.perf_counter()
         if strat.base == "full":
             cache = PositionedCache.from_model(self.model, storage=self.cache.storage)

@@ -629,3 +629,80 @@ def test_appending_restores_every_slot_after_a_crop_below_entry_and_a_rewrite(st
     twin.append_raw_(cache.raw_kv(), cache.positions)
     ids = torch.randint(3, 128, (1, 3))                               # works on, as if nothing happened
     assert torch.allclose(extend(model, cache, ids), extend(model, twin, ids), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# obscure errors: autograd through the cache, compile with autograd, int8 under compile, out-of-vocabulary ids
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("storage", ["rotated", "raw", "int8"])
+def test_backward_through_forwards_on_a_positioned_cache_gives_dynamic_cache_gradients(storage):
+    """A forward with autograd on (no torch.no_grad) and its backward work on every storage, again and again (the
+    cache keeps no graph: a DynamicCache refuses the second backward), and the gradients of a step equal those
+    through a DynamicCache holding the same (gradient-free) prefix."""
+    from transformers import DynamicCache
+
+    model, cfg = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+
+    def step_grads(cache, step):
+        model.zero_grad()
+        model(input_ids=ids[:, step:step + 1], cache=cache, use_cache=True).logits.float().pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    cache = PositionedCache.from_model(model, storage=storage)
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], cache=cache, use_cache=True)
+    for step in (6, 7):
+        step_grads(cache, step)
+    ref = DynamicCache(config=cfg)
+    with torch.no_grad():
+        model(input_ids=ids[:, :8], cache=ref, use_cache=True)
+    want, got = step_grads(ref, 8), step_grads(cache, 8)
+    assert len(want) == len(got) > 0
+    tol = 1e-4 if storage != "int8" else 1e-3          # int8: 8 slots stay in the unquantized tail, rounding only
+    for a, b in zip(want, got):
+        assert torch.allclose(a, b, atol=tol, rtol=tol)
+
+
+def test_a_compiled_raw_storage_forward_with_autograd_on_runs():
+    """The README's compile snippet without torch.no_grad: the traced update writes detached keys, so the
+    compiler's autograd sees no in-place write to a tensor it saved."""
+    model = tiny_model("llama")[0]
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(4))
+    outs = {}
+    for compiled in (False, True):
+        cache = PositionedCache.from_model(model, storage="raw")
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache, use_cache=True)
+        cache.reserve_(cache.num_slots + 4)
+        fwd = torch.compile(model.forward, backend="aot_eager") if compiled else model.forward
+        outs[compiled] = fwd(input_ids=ids[:, -1:], cache=cache).logits
+    assert torch.allclose(outs[False], outs[True], atol=1e-5)
+
+
+def test_int8_storage_under_torch_compile_is_refused_for_what_it_is():
+    model = tiny_model("llama")[0]
+    cache = PositionedCache.from_model(model, storage="int8")
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 8)), cache=cache, use_cache=True)
+        fwd = torch.compile(model.forward, backend="eager")
+        with pytest.raises(ValueError, match="storage='int8' is not compiled"):
+            fwd(input_ids=torch.tensor([[5]]), cache=cache)
+    assert cache.num_slots == 8
+
+
+def test_out_of_vocabulary_ids_are_refused_before_the_embedding_and_change_nothing():
+    from kvpos.edits import Insert
+    from kvpos.integrations.pie import EditSession
+
+    model = tiny_model("llama")[0]
+    session = EditSession(model, torch.randint(3, 120, (30,)))
+    before = snapshot(session.cache)
+    with pytest.raises(ValueError, match=r"edits: inserted token ids: expected token ids in \[0, 128\)"):
+        session.apply([Insert(5, [500])])
+    assert session.length == 30
+    same(before, snapshot(session.cache))
+    with pytest.raises(ValueError, match=r"extend ids: expected token ids in \[0, 128\).*got min -1"):
+        extend(model, session.cache, torch.tensor([[3, -1]]))
+    same(before, snapshot(session.cache))

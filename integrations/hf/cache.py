@@ -327,7 +327,19 @@ class PositionedCache(PositionedKV, Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new slots of layer `layer_idx`: k [B, H, S, D] already rotated by the model; returns all
-        (rotated keys, values) of the layer."""
+        (rotated keys, values) of the layer.
+
+        With autograd recording (grad enabled, keys or values requiring grad) the cache stores detached copies and
+        returns fresh tensors in which the new slots are the model's own keys and values: gradients flow through
+        this forward's tokens (as with DynamicCache within one forward), never into earlier forwards' cached slots,
+        and no stored buffer is part of a graph (a later write cannot invalidate a backward)."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            return self._update_recording(key_states, value_states, layer_idx, kwargs)
+        return self._update(key_states, value_states, layer_idx, kwargs)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict,
+                handoff: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` without autograd; handoff=False: never hand raw keys to the attention (rotate into a buffer)."""
         if torch.compiler.is_compiling():
             return self._update_traced(key_states, value_states, layer_idx, kwargs)
         if self.offloading:
@@ -338,13 +350,33 @@ class PositionedCache(PositionedKV, Cache):
             pos = fw.pos                                     # a later layer of the running forward
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
-        if self.storage != "rotated" and self.read != "torch" and S == 1 and self._overwrite is None:
+        if handoff and self.storage != "rotated" and self.read != "torch" and S == 1 and self._overwrite is None:
             out = self._update_raw_read(layer_idx, key_states, value_states, pos)
         else:
             out = self.write_rotated_(layer_idx, key_states, value_states, pos)
         if self.offloading and layer_idx > 0:
             self.layers[layer_idx - 1].offload()          # attention of layer_idx - 1 is done: its KV can leave
         return out
+
+    def _update_recording(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, kwargs: dict
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` under autograd: store detached k / v [B, H, S, D]; return copies of the layer's keys and values
+        with the new slots replaced by k / v themselves (differentiable)."""
+        if self.capacity is not None and torch.compiler.is_compiling():
+            fail("a compiled forward of a fixed-capacity PositionedCache with autograd recording", "torch.no_grad() "
+                 "or torch.inference_mode() around it (a cache serves inference)", "grad enabled and keys "
+                 "requiring grad", "wrap the compiled decode in torch.no_grad()")
+        S = k.shape[2]
+        slots = None if self._overwrite is None else self._overwrite.slots
+        with torch.no_grad():
+            keys, values = self._update(k.detach(), v.detach(), layer_idx, kwargs, handoff=False)
+            keys, values = keys.clone(), values.clone()
+        n = self.layers[layer_idx].n
+        idx = slots if slots is not None else torch.arange(n - S, n)
+        idx = idx.to(keys.device)
+        keys = keys.index_copy(2, idx, k.to(keys.dtype))
+        values = values.index_copy(2, idx, v.to(values.dtype))
+        return keys, values
 
     def _why_not_raw_read(self, k: torch.Tensor) -> str | None:
         """Why a decode step of storage="raw" cannot hand raw keys to the fused reader, or None."""
@@ -437,6 +469,8 @@ class PositionedCache(PositionedKV, Cache):
             _FORWARD.set(None)
         if self.origin is None or (note is None and self._overwrite is not None):
             return note                    # recompute forwards: the first layer consumed and checked the note
+        if note is None:
+            self._refuse_compile_fallback(index)
         if note is None or note.model() is not self.origin():
             got = ("a forward of a model without kvpos's hook (or, under torch.compile, a model that does not pass "
                    "position_ids to the cache, such as GPT-NeoX: run it eagerly)") if note is None else \
@@ -446,6 +480,20 @@ class PositionedCache(PositionedKV, Cache):
                  "build one cache per model with PositionedCache.from_model(model); another model's keys (another "
                  "RoPE base, other weights) would make this cache's keys wrong")
         return note
+
+    def _refuse_compile_fallback(self, index: int) -> None:
+        """No forward note: the usual cause is a torch.compile'd forward whose traced update refused and fell back
+        to eager here (the rotary hook records nothing under compile). Name the refusal the trace could not raise."""
+        if self.storage == "int8":
+            fail(f"cache.update layer {index}", "an eager forward (storage='int8' is not compiled: its quantized "
+                 "writes run eagerly only)", "a forward with no eager rotary-module call (torch.compile)",
+                 "decode storage='int8' eagerly, or compile with storage='raw' or 'rotated'")
+        if self.capacity is not None:
+            self._sync_count()
+            if self.table.n + 1 > self.capacity:
+                fail(f"cache.update layer {index}", f"at most {self.capacity} slots (the fixed capacity)",
+                     f"a forward after {self.table.n} slots (a compiled decode past the capacity)",
+                     "build the cache with a larger capacity=")
 
     def _incoming_positions(self, index: int, k: torch.Tensor, kwargs: dict, note: _ForwardNote | None
                             ) -> torch.Tensor:

@@ -25,7 +25,7 @@ from kvpos.cache import PositionedKV
 from .attention import AttentionBackend, bind_attention
 
 __all__ = ["extend", "generate", "forward_reference", "additive_mask", "decoder_parts", "run_decoder_layers",
-           "cache_kwarg"]
+           "cache_kwarg", "check_vocab"]
 
 
 def cache_kwarg(fn: Any) -> str:
@@ -67,6 +67,18 @@ def _check_ids(what: str, ids: Any, cache: PositionedKV) -> torch.Tensor:
     return ids.long()
 
 
+def check_vocab(what: str, model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Token ids must index the model's input embedding: [0, V). Raises ValueError naming the offenders."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    V = getattr(emb, "num_embeddings", None)
+    if V is None or ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= V:
+        fail(what, f"token ids in [0, {V}) (the model's vocabulary)", f"min {lo}, max {hi}",
+             "tokenize with the model's own tokenizer")
+
+
 def _new_positions(cache: PositionedKV, ids: torch.Tensor, positions: Any) -> torch.Tensor:
     B, S = ids.shape
     if positions is None:
@@ -101,6 +113,7 @@ def extend(model: torch.nn.Module, cache: PositionedKV, ids: torch.Tensor, posit
     attention: an attention backend (e.g. ApeBackend, WindowBackend) bound for this call.
     """
     ids = _check_ids("extend ids", ids, cache)
+    check_vocab("extend ids", model, ids)
     pos = _new_positions(cache, ids, positions)
     cache._check_new_positions(pos, "extend positions")
     T = cache.num_slots
@@ -132,6 +145,7 @@ def generate(model: torch.nn.Module, cache: PositionedKV, new_ids: torch.Tensor,
     backend bound for the whole generation (the question and every generated token).
     """
     new_ids = _check_ids("generate new_ids", new_ids, cache)
+    check_vocab("generate new_ids", model, new_ids)
     for k in ("cache", "past_key_values", "position_ids"):
         if k in gen_kwargs:
             fail(f"generate {k}", "not given (kvpos sets it from the cache)", "a value", "pass positions= instead")
