@@ -61,7 +61,7 @@ test: setup redis vllm-setup
 # the long fuzz profile (about 30-60 min on 2 cores): writes results/reliability.md
 fuzz: setup redis
 	KVPOS_FUZZ=long KVPOS_FUZZ_REPORT=results/reliability_outcomes.json $(PY) -m pytest -q \
-	  tests/test_fuzz.py tests/test_reliability.py
+	  tests/test_fuzz.py tests/test_reliability.py tests/test_arch_sweep.py tests/test_vllm_scheduler.py
 	$(PY) bench/reliability.py --outcomes results/reliability_outcomes.json --json results/reliability.json
 
 bench: setup

@@ -1,6 +1,6 @@
 """The reliability table: outcome counts of the long fuzz profile, plus what the weights fingerprint costs.
 
-    make fuzz      # KVPOS_FUZZ=long pytest tests/test_fuzz.py tests/test_reliability.py, then this script
+    make fuzz      # KVPOS_FUZZ=long pytest (fuzz, reliability, architecture sweep, connector scheduler), then this
     python bench/reliability.py --outcomes results/reliability_outcomes.json --json results/reliability.json
 
 Rows: category | cases tried | ok | clear error | silent wrong | obscure error | state corrupted. "ok" = the call
@@ -20,7 +20,7 @@ import torch
 
 from _common import machine, markdown_table, write_outputs
 from kvpos.store import WeightsDigest
-from kvpos.integrations.hf import load_default_model
+from kvpos.integrations.hf import DEFAULT_MODEL_NAME, load_default_model
 
 OUTCOMES = ("ok", "clear error", "silent wrong", "obscure error", "state corrupted")
 
@@ -39,7 +39,7 @@ def fingerprint_cost(reps: int = 3) -> dict:
         w.digest()
         check.append(time.perf_counter() - t)
     n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return {"model": getattr(model, "name_or_path", "?"), "bytes_hashed": n_bytes,
+    return {"model": DEFAULT_MODEL_NAME, "bytes_hashed": n_bytes,
             "full_digest_s": statistics.median(full), "change_check_s": statistics.median(check),
             "tensors": len(model.state_dict())}
 

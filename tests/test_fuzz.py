@@ -439,3 +439,65 @@ def test_crafted_resigned_entries_are_verified_field_by_field(fuzz_record, start
              and got.fingerprint == Fingerprint.from_json(fingerprint) and got.meta == json.loads(meta))
     fuzz_record("crafted entries (re-signed)", "ok" if valid else "silent wrong")
     assert valid and isinstance(got.meta, dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# appending() blocks: random writes inside (crops below the entry length included), then an exception
+# ---------------------------------------------------------------------------------------------------------------------
+
+block_ops = st.lists(st.tuples(st.sampled_from(["crop", "extend", "shift", "delete", "hide", "label", "append_raw"]),
+                               st.integers(0, 40), st.integers(0, 40), st.integers(-30, 30)), min_size=1, max_size=8)
+
+
+def _public_state(cache):
+    return (cache.num_slots, cache.positions, cache.visible, cache.segments, cache.raw_kv())
+
+
+def _same_public(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:4], b[1:4])) and all(
+        torch.equal(k1, k2) and torch.equal(v1, v2) for (k1, v1), (k2, v2) in zip(a[4], b[4]))
+
+
+class _Stop(Exception):
+    pass
+
+
+@settings(max_examples=EXAMPLES * 4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(storage=st.sampled_from(["rotated", "raw", "int8"]), seq=block_ops, seed=st.integers(0, 2 ** 16))
+def test_an_exception_in_an_appending_block_restores_the_cache_whatever_ran_inside(fuzz_record, storage, seq, seed):
+    model = tiny_model("llama")[0]
+    g = torch.Generator().manual_seed(seed)
+    cache = PositionedCache.from_model(model, storage=storage)
+    extend(model, cache, torch.randint(3, 128, (1, 40), generator=g))
+    before = _public_state(cache)
+    try:
+        with cache.appending():
+            for kind, a, b, c in seq:
+                n = cache.num_slots
+                lo, hi = sorted((min(a, n), min(b, n)))
+                try:
+                    if kind == "crop":
+                        cache.crop(-a)
+                    elif kind == "extend":
+                        extend(model, cache, torch.randint(3, 128, (1, 1 + a % 12), generator=g))
+                    elif kind == "shift":
+                        cache.shift_(lo, hi, c)
+                    elif kind == "delete":
+                        cache.delete_(lo, hi)
+                    elif kind == "hide":
+                        cache.hide_(lo, hi)
+                    elif kind == "label":
+                        cache.set_segment_(lo, hi, c)
+                    elif n:
+                        kv = [(torch.randn(1, 2, 1 + a % 5, 16, generator=g), torch.randn(1, 2, 1 + a % 5, 16,
+                                                                                           generator=g))
+                              for _ in cache.layers]
+                        cache.append_raw_(kv, torch.arange(b, b + 1 + a % 5))
+                except (ValueError, TypeError):
+                    pass                                  # a refused step (e.g. negative positions) inside the block
+            raise _Stop()
+    except _Stop:
+        pass
+    ok = _same_public(before, _public_state(cache))
+    fuzz_record("appending() rollback (crops, rewrites)", "ok" if ok else "state corrupted")
+    assert ok, seq

@@ -1,7 +1,8 @@
 """The kvpos connector's scheduler side and request parameters without an engine (no vLLM import): loads for new
 and resumed requests, claims that agree with what the worker will find, reports that count what was loaded, and
 strict parameters (fuzzed)."""
-from dataclasses import dataclass, field, replace
+import os
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import pytest
@@ -166,7 +167,7 @@ valid_segments = st.lists(st.integers(1, 55), min_size=1, max_size=5, unique=Tru
                                                                                         sorted(cuts)))])
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4000 if os.environ.get("KVPOS_FUZZ") == "long" else 400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(params=st.one_of(json_values, st.fixed_dictionaries({"segments": valid_segments | segment_lists | json_values},
                                                            optional={"save": st.booleans() | json_values,
                                                                      "memory": st.booleans() | json_values})),
