@@ -43,6 +43,9 @@ __all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH",
            "STORAGES"]
 
 GROWTH = 2.0            # capacity multiplier when a buffer is full
+# fixed capacity C: buffers hold C + 1 slots; a compiled forward past C writes into the last one (never a valid
+# slot) and then raises, instead of indexing past the buffer in generated code
+_OVERFLOW = 1
 _MIN_CAPACITY = 64
 MAX_POSITION = 2 ** 40  # positions must stay below this (far beyond any RoPE context; keeps int64 math exact)
 SEGMENT_RANGE = (-(2 ** 31), 2 ** 31 - 1)   # segment labels are int32
@@ -101,7 +104,7 @@ def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int, fixed:
     new = []
     for b in bufs:
         shape = list(b.shape)
-        shape[dim] = cap
+        shape[dim] = cap + _OVERFLOW if fixed else cap
         new.append(_static_buffer(_alloc(shape, b.dtype, b.device, 0)) if fixed else
                    _dynamic_capacity(_alloc(shape, b.dtype, b.device), dim))
     for b, n in zip(bufs, new):
@@ -138,16 +141,19 @@ class SlotTable:
 
     def append_counted(self, pos: torch.Tensor) -> torch.Tensor:
         """Fixed capacity, inside a compiled forward: write S slots at the tensor count and advance it (no Python
-        int is read or written). Returns the slot index [S] the layers write at. An index past the capacity makes the
-        index write raise (never a silent wrap)."""
+        int is read or written). Returns the slot index [S] the layers write at. A forward past the capacity writes
+        into the overflow slot only and raises (RuntimeError naming the capacity): never a silent wrap."""
         B, S = pos.shape
         if self._pos is None:
             self.reserve(B, S, pos.device)
-        idx = torch.arange(S, device=pos.device) + self.count
+        C = self.fixed
+        torch._assert_async(self.count + S <= C, f"fixed-capacity cache: expected at most {C} slots (its capacity), "
+                            "got a compiled forward past it (the cache is unchanged); build it with a larger capacity=")
+        idx = torch.clamp(torch.arange(S, device=pos.device) + self.count, max=C)     # past C: the overflow slot
         self._pos.index_copy_(1, idx, pos)
         self._vis.index_fill_(1, idx, True)
         self._seg.index_fill_(1, idx, 0)
-        self.count.add_(S)
+        self.count.copy_(torch.clamp(self.count + S, max=C))
         return idx
 
     @property
@@ -157,7 +163,7 @@ class SlotTable:
 
     @property
     def capacity(self) -> int:
-        return 0 if self._pos is None else self._pos.shape[1]
+        return 0 if self._pos is None else self._pos.shape[1] - (_OVERFLOW if self.fixed else 0)
 
     @property
     def pos(self) -> torch.Tensor:
@@ -176,6 +182,7 @@ class SlotTable:
         """Make room for `need` slots (all-or-nothing)."""
         if self._pos is None:
             cap = _sized(self.fixed, 0, max(need, self.room), self.grow)
+            cap += _OVERFLOW if self.fixed else 0
             pos = _alloc((B, cap), torch.long, device, 0)
             vis = _alloc((B, cap), torch.bool, device, True)
             seg = _alloc((B, cap), torch.int32, device, 0)
@@ -307,7 +314,7 @@ class SlotLayer:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.v is None else self.v.shape[2]
+        return 0 if self.v is None else self.v.shape[2] - (_OVERFLOW if self.fixed else 0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers() if t is not None)
@@ -320,7 +327,7 @@ class SlotLayer:
         """Make room for `need` slots (copies only the valid prefix; all-or-nothing)."""
         if self.v is None:
             B, H, _, D = like_k.shape
-            cap = self._cap(0, max(need, self.room))
+            cap = self._cap(0, max(need, self.room)) + (_OVERFLOW if self.fixed else 0)
             fill = 0 if self.fixed else None       # fixed: attention reads every slot (masked): never garbage
             raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device,
                          fill)
@@ -1061,7 +1068,7 @@ class PositionedKV:
             keys = self._rotate_on_read(index, (fw.n0, k_rot))
             values = self._values_on_read(index, (fw.n0, v))
         elif self.capacity is not None:
-            keys = layer.rot_k                      # fixed capacity: every slot (static shape), the mask hides the rest
+            keys = layer.rot_k[:, :, : self.capacity]   # fixed capacity: every slot (static shape), the mask hides the rest
         else:
             keys = layer.rot_k[:, :, : layer.n]
         fw.done.add(index)
@@ -1069,7 +1076,7 @@ class PositionedKV:
             self._forward = None                    # committed (the scratch goes with it)
             self._committed = (fw.n0, fw.marks)
         if values is None:
-            values = layer.v if self.capacity is not None else layer.values
+            values = layer.v[:, :, : self.capacity] if self.capacity is not None else layer.values
         return keys, values
 
     def _write_counted(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
@@ -1093,7 +1100,7 @@ class PositionedKV:
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
             self._forward = None
-        return layer.rot_k, layer.v
+        return layer.rot_k[:, :, : self.capacity], layer.v[:, :, : self.capacity]
 
     def _sync_count(self) -> None:
         """Fixed capacity: take in the slots compiled forwards appended (their count is a tensor): un-rotate their

@@ -294,3 +294,23 @@ def test_pytree_round_trip_and_torch_export_with_the_cache_as_input():
     out.shift_(0, 3, 7)                                 # the returned cache is a working cache
     with pytest.raises(ValueError, match="capacity"):
         pytree.tree_flatten(PositionedCache.from_model(model, capacity=32))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_compiled_decode_past_the_fixed_capacity_raises_naming_it_and_changes_nothing(fullgraph):
+    """Past its capacity a compiled forward writes only into the overflow slot and raises a RuntimeError that names
+    the capacity (not an out-of-bounds index from generated C++); the cache keeps its C slots."""
+    model, _ = tiny_model("llama")
+    c = PositionedCache.from_model(model, capacity=PROMPT + 2)
+    first = _prefill(model, c, _ids(model))
+    fwd = torch.compile(model.forward, fullgraph=fullgraph)
+    nxt = first
+    with torch.no_grad():
+        for _ in range(2):
+            nxt = fwd(input_ids=nxt, cache=c, use_cache=True).logits[:, -1:].argmax(-1)
+        before = (c.num_slots, c.positions.clone(), c.layers[0].keys.clone(), c.layers[1].values.clone())
+        # RuntimeError from the compiled graph; ValueError where dynamo runs the step eagerly (a recompile limit)
+        with pytest.raises((RuntimeError, ValueError), match=f"at most {PROMPT + 2} slots \\(its capacity\\)"):
+            fwd(input_ids=nxt, cache=c, use_cache=True)
+    assert c.num_slots == before[0] == PROMPT + 2 and torch.equal(c.positions, before[1])
+    assert torch.equal(c.layers[0].keys, before[2]) and torch.equal(c.layers[1].values, before[3])
