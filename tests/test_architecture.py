@@ -136,6 +136,31 @@ def test_the_import_checks_can_fail(tmp_path):
     assert len(_module_level_state(g, tmp_path)) == 4        # _ACTIVE, X, Y and the global; not the tuple
 
 
+def _c_in_python(path: Path) -> list[str]:
+    """String literals of a Python file that hold C (an #include or a function body with OpenMP pragmas)."""
+    bad = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and len(n.value) > 200 and (
+                "#include" in n.value or "_Pragma(" in n.value):
+            bad.append(f"{path.name}:{n.lineno}")
+    return bad
+
+
+def test_c_lives_in_c_files_shipped_as_package_data():
+    bad = [b for folder in ("kvpos", "integrations") for p in _py(folder) for b in _c_in_python(p)]
+    assert not bad, f"C source inside Python strings (move it to kvpos/csrc/): {bad}"
+    from kvpos import _kernels
+    for name in _kernels._SOURCES + _kernels._HEADERS:
+        assert (ROOT / "kvpos" / "csrc" / name).is_file(), name
+    assert '"csrc/*.c"' in (ROOT / "pyproject.toml").read_text(), "csrc/*.c must be package data"
+
+
+def test_the_c_check_can_fail(tmp_path):
+    f = tmp_path / "k.py"
+    f.write_text('SRC = r"""\n#include <math.h>\n' + "x" * 300 + '\n"""\n')
+    assert _c_in_python(f) == ["k.py:1"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # attention bindings: scoped per thread, explicit errors instead of fallbacks
 # ---------------------------------------------------------------------------------------------------------------------

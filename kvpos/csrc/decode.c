@@ -1,0 +1,313 @@
+#include "common.h"
+
+/* Decode attention over RAW keys (rotate on read, never materialised). One query token per row.
+   q float32 [B, Hq, D] contiguous (rotated by the model); k, v: T* [B, Hkv, *, D] with unit stride on D, stride D on
+   slots, B/H strides kb, kh (v: vb, vh), in elements; cs, sn float32 [Bc, N, R/2] contiguous, the cos/sin of each
+   slot's position already multiplied by the RoPE attention scaling (Bc in {1, B}); mask float32 additive [Bm, N]
+   (Bm in {1, B}) or NULL; out float32 [B, Hq, D]; Hq = Hkv * G (query head h * G + g reads kv head h, as
+   transformers' repeat_kv); work float32 [B * Hkv * nch * G * (D + 2)]; layout 0 = half, 1 = interleaved.
+   Work item = (row, kv head, chunk of KV_CHUNK slots): scores of the G queries against the chunk's keys (each key
+   rotated once, in registers), the chunk's softmax partials (max, sum, V accumulation); a second loop merges the
+   chunks (split-K, so that 2 threads stay busy with 3 kv heads). Rows every key of which is masked give 0.
+   AVX2 paths: scores and exp for the half layout with R/2 and D - R multiples of 8, the value sums for D a multiple
+   of 32 (accumulators in registers; G up to 4 compiled as constants); otherwise plain C (same formulas). */
+#define KV_CHUNK 128
+#define KV_MAXG 16
+
+#if defined(__AVX2__)
+static inline __m256 ld8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+/* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction, degree-6 polynomial (about 2 ulp); x below
+   -87 (exp underflows, masked keys are -inf) gives exactly 0. */
+static inline __m256 exp8_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#define KV_AVX2 1
+#else
+#define KV_AVX2 0
+#endif
+
+/* scores sc[g][j - j0] of the G queries against keys j0..j1-1, rotated on the fly */
+#define SCORES_SCALAR_ANY(FILL, LOAD)                                                                          \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
+        float kf[256], kx[256];                                                                                \
+        FILL(LOAD)                                                                                             \
+        for (int64_t i = 0; i < h2; i++) {                                                                     \
+            const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;                \
+            kx[ia] = kf[ia] * cj[i] - kf[ie] * nj[i];                                                          \
+            kx[ie] = kf[ie] * cj[i] + kf[ia] * nj[i];                                                          \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i++) kx[i] = kf[i];                                                         \
+        const float add = mrow ? mrow[j] : 0.0f;                                                               \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            const float *qg = qh + g * D;                                                                      \
+            float dot = 0.0f;                                                                                  \
+            for (int64_t i = 0; i < D; i++) dot += qg[i] * kx[i];                                              \
+            sc[g][j - j0] = dot * scale + add;                                                                 \
+        }                                                                                                      \
+    }
+#define RAW_FILL(LOAD) { const T *kj = kr + j * D; for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kj[i]); }
+#define SCORES_SCALAR(LOAD) SCORES_SCALAR_ANY(RAW_FILL, LOAD)
+
+#define SCORES_AVX2_ANY(PRE, KEY8, LD8, GC)                                                                     \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        PRE                                                                                                    \
+        const float *cj = crow + j * h2, *nj = nrow + j * h2;                                                  \
+        __m256 acc[KV_MAXG];                                                                                   \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
+        for (int64_t i = 0; i < h2; i += 8) {                                                                  \
+            const __m256 a = KEY8(LD8, i), e = KEY8(LD8, i + h2);                                              \
+            const __m256 c = _mm256_loadu_ps(cj + i), n = _mm256_loadu_ps(nj + i);                             \
+            const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                      \
+            const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                      \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                const float *qg = qh + g * D;                                                                  \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), ra, acc[g]);                                 \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + h2), rb, acc[g]);                            \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i += 8) {                                                                   \
+            const __m256 x = KEY8(LD8, i);                                                                     \
+            for (int64_t g = 0; g < (GC); g++)                                                                 \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]);                         \
+        }                                                                                                      \
+        const float add = mrow ? mrow[j] : 0.0f;                                                               \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                        \
+    }
+#define RAW_PRE const T *kj = kr + j * D;
+#define RAW_KEY8(LD8, o) LD8(kj + (o))
+#define SCORES_AVX2(LD8, GC) SCORES_AVX2_ANY(RAW_PRE, RAW_KEY8, LD8, GC)
+
+/* V accumulation, 32 dims at a time in registers: acc[g][d0..d0+32) += p[g][j] * v[j][d0..d0+32) */
+#define VACC_AVX2_ANY(VT, VLD8, GC)                                                                            \
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                                  \
+        __m256 a[KV_MAXG][4];                                                                                  \
+        for (int64_t g = 0; g < (GC); g++)                                                                     \
+            for (int u = 0; u < 4; u++) a[g][u] = _mm256_setzero_ps();                                         \
+        for (int64_t j = 0; j < nj; j++) {                                                                     \
+            const VT *vj = vr + (j0 + j) * D + d0;                                                             \
+            const __m256 x0 = VLD8(vj), x1 = VLD8(vj + 8), x2 = VLD8(vj + 16), x3 = VLD8(vj + 24);             \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                const __m256 p = _mm256_set1_ps(sc[g][j]);                                                     \
+                a[g][0] = _mm256_fmadd_ps(p, x0, a[g][0]);                                                     \
+                a[g][1] = _mm256_fmadd_ps(p, x1, a[g][1]);                                                     \
+                a[g][2] = _mm256_fmadd_ps(p, x2, a[g][2]);                                                     \
+                a[g][3] = _mm256_fmadd_ps(p, x3, a[g][3]);                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t g = 0; g < (GC); g++)                                                                     \
+            for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc[g] + d0 + 8 * u, a[g][u]);                       \
+    }
+#define VACC_AVX2(LD8, GC) VACC_AVX2_ANY(T, LD8, GC)
+
+/* the G-specialised forms (G a compile-time constant keeps the accumulators in registers) */
+#define BY_G(MACRO, LD8)                                                                                       \
+    switch (G) {                                                                                               \
+        case 1: MACRO(LD8, 1) break;                                                                           \
+        case 2: MACRO(LD8, 2) break;                                                                           \
+        case 3: MACRO(LD8, 3) break;                                                                           \
+        case 4: MACRO(LD8, 4) break;                                                                           \
+        default: MACRO(LD8, G) break;                                                                          \
+    }
+
+/* softmax partials of one chunk per query g: sc <- exp(sc - m), wk <- (m, l); WEIGHT then rescales sc by value
+   (after l is summed); the value accumulators start at 0 */
+#define CHUNK_SOFTMAX(WEIGHT, LOAD)                                                                            \
+        float *wk = work + idx * G * (D + 2);                                                                  \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            float m = -INFINITY, l = 0.0f;                                                                     \
+            for (int64_t j = 0; j < nj; j++) m = sc[g][j] > m ? sc[g][j] : m;                                  \
+            if (m == -INFINITY) {                                                                              \
+                for (int64_t j = 0; j < nj; j++) sc[g][j] = 0.0f;                                              \
+            } else {                                                                                           \
+                int64_t j = 0;                                                                                 \
+                KV_EXP_VEC                                                                                     \
+                for (; j < nj; j++) sc[g][j] = expf(sc[g][j] - m);                                             \
+                for (j = 0; j < nj; j++) l += sc[g][j];                                                        \
+                WEIGHT(LOAD)                                                                                   \
+            }                                                                                                  \
+            wk[g * (D + 2)] = m;                                                                               \
+            wk[g * (D + 2) + 1] = l;                                                                           \
+            if (!vecv) for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;                                       \
+        }
+#define NO_WEIGHT(LOAD)
+#define Q8_VALUE_SCALES(LOAD) if (!tail) for (j = 0; j < nj; j++) sc[g][j] *= LOAD(vsr[j0 + j]);
+
+/* merge the chunks of each query row (split-K): out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c */
+#define DECODE_MERGE                                                                                           \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t r = 0; r < B * Hkv * G; r++) {                                                               \
+        const int64_t g = r % G, bh = r / G;                                                                  \
+        float M = -INFINITY, L = 0.0f, *o = out + r * D;                                                       \
+        for (int64_t c = 0; c < nch; c++) {                                                                   \
+            const float mc = work[((bh * nch + c) * G + g) * (D + 2)];                                        \
+            M = mc > M ? mc : M;                                                                               \
+        }                                                                                                      \
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;                                                           \
+        if (M == -INFINITY) continue;                                                                          \
+        for (int64_t c = 0; c < nch; c++) {                                                                   \
+            const float *wc = work + ((bh * nch + c) * G + g) * (D + 2);                                      \
+            if (wc[0] == -INFINITY) continue;                                                                  \
+            const float f = expf(wc[0] - M);                                                                   \
+            L += f * wc[1];                                                                                    \
+            for (int64_t i = 0; i < D; i++) o[i] += f * wc[2 + i];                                             \
+        }                                                                                                      \
+        for (int64_t i = 0; i < D; i++) o[i] /= L;                                                             \
+    }
+
+#define DECODE_BODY(LOAD, LD8)                                                                                 \
+    const int64_t h2 = R / 2, nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                     \
+    const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
+    const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t idx = 0; idx < total; idx++) {                                                               \
+        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
+        const int64_t j0 = c * KV_CHUNK, j1 = j0 + KV_CHUNK < N ? j0 + KV_CHUNK : N, nj = j1 - j0;            \
+        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
+        const T *kr = k + b * kb + h * kh, *vr = v + b * vb + h * vh;                                         \
+        const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
+        const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
+        float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
+        if (vec) { KV_SCORES_VEC(LD8) } else { SCORES_SCALAR(LOAD) }                                           \
+        CHUNK_SOFTMAX(NO_WEIGHT, LOAD)                                                                         \
+        if (vecv) { KV_VACC_VEC(LD8) } else {                                                                \
+        for (int64_t j = 0; j < nj; j++) {                 /* each value row read once, for every query */     \
+            const T *vj = vr + (j0 + j) * D;                                                                   \
+            float vx[256];                                                                                     \
+            for (int64_t i = 0; i < D; i++) vx[i] = LOAD(vj[i]);                                               \
+            for (int64_t g = 0; g < G; g++) {                                                                  \
+                const float p = sc[g][j];                                                                      \
+                _Pragma("GCC ivdep")                                                                           \
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * vx[i];                                        \
+            }                                                                                                  \
+        } }                                                                                                    \
+        for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
+    }                                                                                                          \
+    DECODE_MERGE
+
+#if KV_AVX2
+#define KV_SCORES_VEC(LD8) BY_G(SCORES_AVX2, LD8)
+#define KV_VACC_VEC(LD8) BY_G(VACC_AVX2, LD8)
+#define KV_EXP_VEC                                                                                             \
+    for (; j + 8 <= nj; j += 8)                                                                                \
+        _mm256_storeu_ps(sc[g] + j, exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + j), _mm256_set1_ps(m))));
+#else
+#define KV_SCORES_VEC(LD8)
+#define KV_VACC_VEC(LD8)
+#define KV_EXP_VEC
+#endif
+
+#define DECODE_ARGS const float *q, const void *kp, const void *vp, const float *cs, const float *sn,              \
+                    const float *mask, float *out, float *work, int64_t B, int64_t Hkv, int64_t G, int64_t N,      \
+                    int64_t D, int64_t R, int64_t Bc, int64_t Bm, int64_t kb, int64_t kh, int64_t vb, int64_t vh,  \
+                    float scale, int layout, int nthreads
+void kvpos_decode_raw_f32(DECODE_ARGS) { typedef float T; const T *k = kp, *v = vp; DECODE_BODY(IDENT, ld8_f32) }
+void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *v = vp; DECODE_BODY(bf16_load, ld8_bf16) }
+
+/* Decode attention over int8 keys and values (storage="int8"): like kvpos_decode_raw_*, with each key dequantized in
+   registers before its rotation: sealed slots j < Q are codes kc[j] * their group's scale row ks[rows[j]], slots
+   j >= Q are the unquantized tail kt[j - Q]; values are codes vc[j] * vs[j] (the per-token scale is folded into
+   the softmax weight), the tail's vt[j - Q] (kt and vt share strides). T is the scales' (and tail's) type. The tail gets its own chunks, so a chunk reads one kind. */
+#if KV_AVX2
+static inline __m256 ld8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#define Q8_KEY8(LD8, o) (tail ? LD8(tj + (o)) : _mm256_mul_ps(ld8_i8(kj + (o)), LD8(sj + (o))))
+#define Q8_PRE                                                                                                 \
+        const int8_t *kj = kr + j * D;                                                                         \
+        const T *sj = tail ? sr : sr + (int64_t)rows[j] * sD, *tj = tail ? tr + (j - Q) * D : tr;
+#define Q8_SCORES_AVX2(LD8, GC) SCORES_AVX2_ANY(Q8_PRE, Q8_KEY8, LD8, GC)
+#define Q8_VACC_AVX2(LD8, GC) VACC_AVX2_ANY(int8_t, ld8_i8, GC)
+#define Q8_SCORES_VEC(LD8) BY_G(Q8_SCORES_AVX2, LD8)
+#define Q8_VACC_VEC(LD8) BY_G(Q8_VACC_AVX2, LD8)
+#else
+#define Q8_SCORES_VEC(LD8)
+#define Q8_VACC_VEC(LD8)
+#endif
+
+#define Q8_FILL(LOAD)                                                                                          \
+        if (tail) { const T *tj = tr + (j - Q) * D; for (int64_t i = 0; i < D; i++) kf[i] = LOAD(tj[i]); }     \
+        else {                                                                                                 \
+            const int8_t *kj = kr + j * D; const T *sj = sr + (int64_t)rows[j] * sD;                           \
+            for (int64_t i = 0; i < D; i++) kf[i] = (float)kj[i] * LOAD(sj[i]);                                \
+        }
+#define Q8_SCORES_SCALAR(LOAD) SCORES_SCALAR_ANY(Q8_FILL, LOAD)
+
+#define DECODE_Q8_BODY(LOAD, LD8)                                                                              \
+    const int64_t h2 = R / 2, ncq = (Q + KV_CHUNK - 1) / KV_CHUNK;                                           \
+    const int64_t nch = ncq + (N - Q + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                       \
+    const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
+    const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t idx = 0; idx < total; idx++) {                                                               \
+        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
+        const int tail = c >= ncq;                                                                             \
+        const int64_t j0 = tail ? Q + (c - ncq) * KV_CHUNK : c * KV_CHUNK;                                    \
+        const int64_t lim = tail ? N : Q, j1 = j0 + KV_CHUNK < lim ? j0 + KV_CHUNK : lim, nj = j1 - j0;       \
+        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
+        const int8_t *kr = kc + b * kb + h * kh, *vr = vc + b * vb + h * vh;                                  \
+        const T *sr = ks + b * sb + h * sh, *tr = kt + b * tb + h * th, *vsr = vs + b * vsb + h * vsh;        \
+        const T *vtr = vt + b * tb + h * th;                                                                   \
+        const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
+        const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
+        float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
+        if (vec) { Q8_SCORES_VEC(LD8) } else { Q8_SCORES_SCALAR(LOAD) }                                        \
+        CHUNK_SOFTMAX(Q8_VALUE_SCALES, LOAD)                                                                   \
+        if (tail) {                                           /* the tail's values are unquantized (vt) */     \
+            const int64_t jt = j0 - Q;                                                                         \
+            { const int64_t j0 = jt; const T *vr = vtr;                                                        \
+              if (vecv) { KV_VACC_VEC(LD8) } else {                                                            \
+              for (int64_t j = 0; j < nj; j++) {                                                               \
+                  const T *vj = vr + (j0 + j) * D;                                                             \
+                  for (int64_t g = 0; g < G; g++) {                                                            \
+                      const float p = sc[g][j];                                                                \
+                      for (int64_t i = 0; i < D; i++) acc[g][i] += p * LOAD(vj[i]);                            \
+                  }                                                                                            \
+              } } }                                                                                            \
+        } else if (vecv) { Q8_VACC_VEC(LD8) } else {                                                         \
+        for (int64_t j = 0; j < nj; j++) {                                                                     \
+            const int8_t *vj = vr + (j0 + j) * D;                                                              \
+            for (int64_t g = 0; g < G; g++) {                                                                  \
+                const float p = sc[g][j];                                                                      \
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * (float)vj[i];                                 \
+            }                                                                                                  \
+        } }                                                                                                    \
+        for (int64_t g = 0; g < G; g++) memcpy(wk + g * (D + 2) + 2, acc[g], D * sizeof(float));               \
+    }                                                                                                          \
+    DECODE_MERGE
+
+#define DECODE_Q8_ARGS const float *q, const int8_t *kc, const int32_t *rows, const void *ksp, const void *ktp,      \
+                       const int8_t *vc, const void *vsp, const void *vtp, const float *cs, const float *sn, const float *mask,       \
+                       float *out, float *work, int64_t B, int64_t Hkv, int64_t G, int64_t N, int64_t Q, int64_t D,  \
+                       int64_t R, int64_t Bc, int64_t Bm, int64_t kb, int64_t kh, int64_t sb, int64_t sh, int64_t sD, \
+                       int64_t tb, int64_t th, int64_t vb, int64_t vh, int64_t vsb, int64_t vsh, float scale,        \
+                       int layout, int nthreads
+void kvpos_decode_q8_f32(DECODE_Q8_ARGS) {
+    typedef float T; const T *ks = ksp, *kt = ktp, *vs = vsp, *vt = vtp; DECODE_Q8_BODY(IDENT, ld8_f32) }
+void kvpos_decode_q8_bf16(DECODE_Q8_ARGS) {
+    typedef uint16_t T; const T *ks = ksp, *kt = ktp, *vs = vsp, *vt = vtp; DECODE_Q8_BODY(bf16_load, ld8_bf16) }
+
