@@ -503,6 +503,32 @@ def test_phi3_longrope_past_the_switch_length_raises_through_model_generate():
     assert out.shape[1] == 50 and below.num_slots == 49
 
 
+def test_a_direct_update_names_the_missing_positions_and_works_with_cache_kwargs():
+    """transformers' own cache tests call cache.update(k, v, layer) directly: with no positions the error says what
+    to pass; with cache_kwargs={"position_ids": ...} the update stores and returns what DynamicCache does."""
+    from transformers import DynamicCache
+    model = tiny_model("llama")[0]
+    cfg = model.config
+    B, H, S, D = 1, cfg.num_key_value_heads, 5, cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    cache = PositionedCache.from_model(model)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"position_ids: expected the positions the new keys were rotated at.*"
+                                         r"cache_kwargs=\{'position_ids': pos\}"):
+        cache.update(k, v, 0)
+    same(before, snapshot(cache))
+    pos = torch.arange(3, 3 + S)[None]
+    ref = DynamicCache(config=cfg)
+    want = [ref.update(k, v, i) for i in range(cfg.num_hidden_layers)]
+    for i in range(cfg.num_hidden_layers):
+        got = cache.update(k, v, i, cache_kwargs={"position_ids": pos})
+        torch.testing.assert_close(got[0], want[i][0], rtol=0, atol=1e-5)
+        assert torch.equal(got[1], want[i][1])
+    assert torch.equal(cache.positions, pos)
+    got = cache.update(k[:, :, :1], v[:, :, :1], 0, {"position_ids": pos[:, :1] + S})   # the dict positionally
+    assert got[0].shape[2] == S + 1 and cache.layers[0].n == S + 1
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 9. a cache belongs to one model
 # ---------------------------------------------------------------------------------------------------------------------

@@ -72,9 +72,23 @@ def _install_forward_hook(model: torch.nn.Module) -> weakref.ref:
 
 
 def _passed_positions(kwargs: dict) -> torch.Tensor | None:
-    """The position_ids a model handed to `cache.update` (as `kwargs={...}` or as keywords), or None."""
-    inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
-    return inner.get("position_ids") if isinstance(inner, dict) else None
+    """The position_ids handed to `cache.update`: by a model (`kwargs={...}` or keywords) or by a direct caller
+    (`cache_kwargs={...}`, or that dict as the fourth positional argument), or None."""
+    for name in ("cache_kwargs", "kwargs"):
+        inner = kwargs.get(name)
+        if isinstance(inner, dict) and inner.get("position_ids") is not None:
+            return inner["position_ids"]
+    return kwargs.get("position_ids")
+
+
+def _direct_positions(kwargs: dict) -> bool:
+    """True when a direct caller (not a model forward) passed the positions: `cache_kwargs={"position_ids": ...}`."""
+    inner = kwargs.get("cache_kwargs")
+    return isinstance(inner, dict) and inner.get("position_ids") is not None
+
+
+_NO_POSITIONS_FIX = ("run the model's forward (its rotary module records the positions), or pass them: "
+                     "cache.update(k, v, layer_idx, cache_kwargs={'position_ids': pos}) with pos int64 [B|1, S]")
 
 
 class PositionedLayer(SlotLayer, CacheLayerMixin):
@@ -327,12 +341,16 @@ class PositionedCache(PositionedKV, Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new slots of layer `layer_idx`: k [B, H, S, D] already rotated by the model; returns all
-        (rotated keys, values) of the layer.
+        (rotated keys, values) of the layer. Positions come from the model's forward (recorded by its rotary
+        module) or, for a direct call, from `cache_kwargs={"position_ids": pos}` (pos int64 [B|1, S], the positions
+        the keys were rotated at; a dict as the fourth positional argument is read the same way).
 
         With autograd recording (grad enabled, keys or values requiring grad) the cache stores detached copies and
         returns fresh tensors in which the new slots are the model's own keys and values: gradients flow through
         this forward's tokens (as with DynamicCache within one forward), never into earlier forwards' cached slots,
         and no stored buffer is part of a graph (a later write cannot invalidate a backward)."""
+        if args and isinstance(args[0], dict) and "cache_kwargs" not in kwargs:
+            kwargs = {**kwargs, "cache_kwargs": args[0]}
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             return self._update_recording(key_states, value_states, layer_idx, kwargs)
         return self._update(key_states, value_states, layer_idx, kwargs)
@@ -349,7 +367,7 @@ class PositionedCache(PositionedKV, Cache):
         if fw is not None and layer_idx not in fw.done and self._overwrite is None and fw.S == S:
             pos = fw.pos                                     # a later layer of the running forward
         else:
-            pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx))
+            pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx, kwargs))
         if handoff and self.storage != "rotated" and self.read != "torch" and S == 1 and self._overwrite is None:
             out = self._update_raw_read(layer_idx, key_states, value_states, pos)
         else:
@@ -462,15 +480,21 @@ class PositionedCache(PositionedKV, Cache):
             pos = pos.to(device=key_states.device, dtype=torch.long).expand(B, S)
         return self.write_rotated_(layer_idx, key_states, value_states, pos)
 
-    def _forward_note(self, index: int) -> _ForwardNote | None:
-        """The running forward's note (consumed); refuses a forward of another model than this cache's."""
+    def _forward_note(self, index: int, kwargs: dict) -> _ForwardNote | None:
+        """The running forward's note (consumed); refuses a forward of another model than this cache's. A direct
+        call with `cache_kwargs={"position_ids": ...}` needs no note (the caller states the positions)."""
         note = _FORWARD.get()
         if note is not None:
             _FORWARD.set(None)
         if self.origin is None or (note is None and self._overwrite is not None):
             return note                    # recompute forwards: the first layer consumed and checked the note
+        if note is None and _direct_positions(kwargs):
+            return None
         if note is None:
             self._refuse_compile_fallback(index)
+            if _passed_positions(kwargs) is None:
+                fail(f"cache.update layer {index}: position_ids", "the positions the new keys were rotated at",
+                     "no positions (no model forward recorded them and none were passed)", _NO_POSITIONS_FIX)
         if note is None or note.model() is not self.origin():
             got = ("a forward of a model without kvpos's hook (or, under torch.compile, a model that does not pass "
                    "position_ids to the cache, such as GPT-NeoX: run it eagerly)") if note is None else \
@@ -506,7 +530,7 @@ class PositionedCache(PositionedKV, Cache):
             pos = self._overwrite.pos                        # a later layer of a recompute forward
         if pos is None:
             fail(f"cache.update layer {index}: position_ids", "the positions of the new keys (passed by the model "
-                 "or recorded from its rotary module)", None, "build the cache with PositionedCache.from_model(model)")
+                 "or recorded from its rotary module)", None, _NO_POSITIONS_FIX)
         if pos.dim() == 3:
             fail("position_ids", "[B, S] (1-D positions per token)", tuple(pos.shape), "M-RoPE is not supported")
         if pos.shape[-1] != S or pos.shape[0] not in (1, B):
