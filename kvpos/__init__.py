@@ -9,6 +9,16 @@ Glossary (one meaning per name):
   raw keys      keys before RoPE: the source of truth, rotated once whenever a position changes
   rotated keys  raw keys rotated to their slot's current position: what attention reads
   cache         a PositionedKV (engine-neutral) or its transformers shim PositionedCache; nothing else
+  storage       how a cache holds its keys (`storage=`): "rotated" (raw + rotated keys), "raw" (raw keys only,
+                rotated on read) or "int8" (raw keys and values as int8 codes with per-channel scales over 32-slot
+                groups); a property of a cache, never of the store
+  read          how attention gets rotated keys from raw storage (`read=`): "auto", "fused" (the C decode kernel
+                rotates each key in registers) or "torch" (rotate into a buffer); rotated storage has no read mode
+  store         the chunk store (ChunkStore over a memory / disk / Redis backend): entries of chunk KV kept across
+                requests and processes; not the cache's storage, not the windowed far store (FarStore)
+  scheme        how a store entry encodes its tensors: "float", "int8" or "int4" (per channel over the whole chunk)
+  far store     FarStore: the windowed-retrieval index of far keys (int8, searchable), inside one cache
+  fingerprint   what makes stored KV valid for a model: weights digest, RoPE spec, dtype, tokenizer (Fingerprint)
 
 Shape letters (used in every docstring): B batch · H kv heads · Hq query heads · G = Hq / H · T cached slots ·
 S new slots or tokens · N keys an attention call reads · D head_dim · R rotary_dim · L layers · V vocab ·
