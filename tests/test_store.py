@@ -1,8 +1,11 @@
 """ChunkStore backends: bit-exact round trips, fingerprints, damage detection, concurrency, budgets, real Redis."""
+import json
 import multiprocessing as mp
+import struct
 import os
 import time
 
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -296,7 +299,6 @@ def test_a_float_store_reads_int8_entries_and_an_int8_store_reads_float_entries(
 
 def _resigned(blob: bytes, edit) -> bytes:
     """A re-signed entry: parse, let `edit` change tensors / metadata, recompute the checksum, save."""
-    from safetensors import safe_open
     from safetensors.torch import load, save
     from kvpos.store import _checksum
     import tempfile
@@ -409,3 +411,30 @@ def test_a_tiered_store_serves_from_memory_what_its_far_store_serves(tmp_path, s
     near, from_far = tiered.get(c.ids), ChunkStore(far, FP).get(c.ids)
     assert torch.equal(near.raw_keys, from_far.raw_keys) and torch.equal(near.values, from_far.values)
     assert not torch.equal(near.raw_keys, c.raw_keys)            # quantized: the far scheme, not the float chunk
+
+
+@pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
+def test_an_entry_written_by_the_single_module_store_loads_and_is_written_byte_identically(scheme):
+    """tests/data/entry_v2_<scheme>.safetensors were written by kvpos 0.2.0's single-file store (before the store
+    became a package): they load, and today's serialize writes the same entry for the same chunk (same metadata,
+    checksum and tensor bytes; safetensors orders header fields arbitrarily, so whole blobs are not compared)."""
+    from kvpos.store import SCHEMES, deserialize, serialize
+    assert scheme in SCHEMES
+    g = torch.Generator().manual_seed(7)
+    L, H, S, D = 2, 1, 5, 8
+    fp = Fingerprint(model="m" * 64, weights="w" * 64, dtype="float32", anchor="a" * 64, rope="r" * 64)
+    chunk = ChunkKV(torch.arange(10, 10 + S), torch.randn(L, H, S, D, generator=g),
+                    torch.randn(L, H, S, D, generator=g), 7, fp, {"note": "golden"})
+    blob = (Path(__file__).parent / "data" / f"entry_v2_{scheme}.safetensors").read_bytes()
+    got = deserialize(blob)
+    assert torch.equal(got.ids, chunk.ids) and got.start == 7 and got.meta == {"note": "golden"}
+    assert got.fingerprint == fp
+    tol = {"float": 0.0, "int8": 0.05, "int4": 0.5}[scheme]
+    torch.testing.assert_close(got.raw_keys, chunk.raw_keys, rtol=0, atol=tol)
+    torch.testing.assert_close(got.values, chunk.values, rtol=0, atol=tol)
+    from safetensors.torch import load
+    new = serialize(chunk, scheme)
+    head = [json.loads(b[8:8 + struct.unpack("<Q", b[:8])[0]])["__metadata__"] for b in (blob, new)]
+    assert head[0] == head[1]
+    old_t, new_t = load(blob), load(new)
+    assert old_t.keys() == new_t.keys() and all(torch.equal(old_t[k], new_t[k]) for k in old_t)
