@@ -33,7 +33,7 @@ binned by to_cursor per task and for all; also a second markdown table and <json
 --gate SPEC:MARGIN... runs EditSession.complete (reported as SPEC/mMARGIN): update with SPEC, generate, and at the
 first step whose margin (log p top-1 - log p top-2) falls below MARGIN nats redo the edit with prefix and generate
 again; its update_s counts both updates and the abandoned generation. Every record keeps each strategy's step margins
-("margins"), generation seconds ("gen_s") and, for gates, "fell_back" (bench/pie_gate.py replays floors from them).
+("margins"), generation seconds ("gen_s") and, for gates, "fell_back" (experiments/pie_gate.py replays floors from them).
 --reference JSON does not run full: its predictions (and times) come from an earlier run of the same samples.
 --report JSON re-renders a finished run's tables and plots from its saved records, without the model.
 --resume continues the run saved in --json (checkpoints are written every 25 samples): the same settings give the same

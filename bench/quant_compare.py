@@ -49,7 +49,7 @@ from kvpos.integrations.rag import ChatPromptBuilder
 from kvpos.rope import rotate, unrotate
 from kvpos.quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
 from kvpos.store import ChunkKV, model_fingerprint, serialize
-from rag_eval import _quantized_round_trip
+from baselines import quantized_round_trip
 
 KVPOS = ("kvpos-int8", "kvpos-int4", "post-int8", "post-int4")
 CACHE = ("cache-int8", "cache-int8-post")
@@ -69,7 +69,7 @@ def quantized_context(ref: DynamicCache, specs, bounds: list[int], method: str, 
         k = torch.stack([unrotate(k[i, None], pos, s)[0] for i, s in enumerate(specs)])
     ks, vs = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        qk, qv = _quantized_round_trip(k[:, :, a:b], v[:, :, a:b], bits)
+        qk, qv = quantized_round_trip(k[:, :, a:b], v[:, :, a:b], bits)
         ks.append(qk)
         vs.append(qv)
     k, v = torch.cat(ks, 2), torch.cat(vs, 2)

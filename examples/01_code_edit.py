@@ -2,10 +2,10 @@
 
 The cache holds ~1k tokens of Python's textwrap.py with two real lines missing; the "developer" puts them back.
 Look at: the update times (PIE should be >10x faster than full) and whether each strategy predicts the same
-next line as full recomputation. On 200 samples per task (bench/pie_eval.py, results/pie_eval.md) PIE agrees with
-full on 76-86% of next lines; naive "conflict fast" reuse (stale suffix positions, generation at the true ones)
-collapses to 3-30% (results/pie_eval_blend.md). What PIE still misses is stale context: the suffix's keys and values
-above layer 0 were computed before the edit.
+next line as full recomputation. How often PIE agrees with full on many samples: results/pie_eval.md
+(bench/pie_eval.py); naive "conflict fast" reuse (stale suffix positions, generation at the true ones) collapses
+(results/pie_eval_blend.md). What PIE still misses is stale context: the suffix's keys and values above layer 0
+were computed before the edit.
 """
 import sysconfig
 import torch

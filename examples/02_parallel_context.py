@@ -4,8 +4,7 @@
 anchor: they all reuse one ~100-position range. The question is answered with plain parallel attention (T = S = 1)
 and with APE (temperature T, scale S). Look at: the answers and the first-token KL to full prefill (lower is
 better). With this many parallel passages naive parallel attention is too flat and collapses; APE restores it
-(bench/rag_eval.py --ape --passages 32: parallel 0% on every seed; APE 92.5 / 95.0 / 77.5% accuracy vs full
-prefill's 77.5 / 77.5 / 72.5% on three held-out seeds of 40 questions, 116.5% of full pooled).
+(measured over held-out seeds by bench/rag_eval.py --ape --passages 32: results/rag_eval_ape32*.md).
 """
 import torch
 

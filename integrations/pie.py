@@ -224,9 +224,9 @@ class EditSession:
         auto resolving to prefix) are not gated. The session moves to the new document.
 
         A small margin is where a slightly stale cache can flip the greedy token; min_margin 0 never falls back.
-        There is no default floor: on SmolLM2-135M next-line code completion 38% of full's generated lines hold a
-        step below 0.1 nats (58% below 0.2), so a floor that catches PIE's disagreements with full recompute also
-        redoes 10-20% of the edits (results/pie_gate_calib_seed1.md); pick it from what a redo costs you.
+        There is no default floor: in next-line code completion many of full recompute's own generated lines hold
+        low-margin steps, so a floor that catches PIE's disagreements with full also redoes edits that needed no
+        redo (measured in results/pie_gate_calib_seed1.md); pick it from what a redo costs you.
         cost_s counts the update(s) and the abandoned generation, not the returned generation (every strategy pays
         that). gen_kwargs go to generate (greedy only; logits_processor / stopping_criteria lists are extended)."""
         if isinstance(min_margin, bool) or not isinstance(min_margin, (int, float)) or not 0 <= min_margin < 1e9:

@@ -733,7 +733,7 @@ class PositionedKV:
         storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache), "raw"
         (raw keys + values only, keys rotated on read into one scratch layer per forward: the size of a plain
         cache; position operations touch only the slot table) or "int8" (like "raw" with keys and values stored
-        as int8: `QuantSlotLayer`; about 0.27x a plain fp32 cache, approximate; no recompute forwards).
+        as int8: `QuantSlotLayer`; approximate, bytes in results/bench_memory.md; no recompute forwards).
         capacity: a fixed capacity in slots (buffers
         allocated once at that size, zero-filled, never regrown; attention receives all `capacity` slots and the
         mask hides the unused ones: static shapes for torch.compile(fullgraph=True), like transformers'

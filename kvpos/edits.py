@@ -197,18 +197,15 @@ _GRAMMAR = re.compile(r"(?P<base>full|naive|pie|prefix|auto)(?:\+r(?P<r>\d+))?(?
 _HELP = ("full | prefix | naive[+tail<T>] | pie[+k<K>][+blend<P>|+attn<P>[+probe<Q>]][+tail<T>] | "
          "auto[+r<R>][+k<K>][+tail<T>][+c<C> | +b<B>] (P = percent of the stale tokens, B = percent of prefix's "
          "tokens PIE may re-encode; e.g. pie+k64+tail512, pie+attn25+probe32, auto+b35)")
-# auto's rule, fitted on a calibration split (pie_eval --seed 1, 50 samples: 17 insertion / 17 deletion / 16 multi),
-# never on evaluated samples (seed 0): results/pie_calib2_seed1.md. Of the four candidates there, those agreeing with
-# full on 100% of every task were r512+k64+tail512+c1024 and r768+k64+tail384+c1024; the second has the lower total
-# update time (8.79 s vs 9.63 s, sum of the per-task means), so it is the rule.
+# auto's rule: the candidate of the calibration split (pie_eval --seed 1, never the evaluated seed 0) that agreed with
+# full on every task at the lowest total update time (results/pie_calib2_seed1.md).
 AUTO_PREFIX_MAX = 768     # recompute from the first edit (exact) when at most this many tokens follow it
 AUTO_K = 64               # otherwise PIE, re-encoding the K tokens after every edit ...
 AUTO_TAIL = 384           # ... and the last T tokens of the document,
 AUTO_COVER = 1024         # ... extended back to the last edit when at most C tokens follow it
 AUTO_BUDGET_MIN_TAIL = 128  # auto+b<B>: the shortest tail worth a PIE update (else prefix). B is the caller's cost
-# target; auto+b35 was chosen from COST alone on the calibration split (seed 1, 40 samples per task): with k64, this
-# tail and 50 tokens of splice overhead, B = 35% puts the mean re-encoded tokens at 0.44-0.46 of prefix's on every
-# task (B = 40%: 0.46-0.50), leaving room under the 0.5x time target; agreement was not fitted.
+# target; auto+b35 was chosen from cost alone on the calibration split (seed 1): a B whose mean re-encoded tokens
+# stay below half of prefix's on every task, with room under the 0.5x time target; agreement was not fitted.
 
 
 @dataclass(frozen=True)

@@ -120,9 +120,10 @@ def _private_package_imports(path: Path) -> list[str]:
 
 
 def test_bench_and_examples_use_public_names_of_the_installed_package():
-    bad = [b for folder in ("bench", "examples") for p in _py(folder) for b in _private_package_imports(p)]
-    assert not bad, f"private names of kvpos imported by bench/ or examples/: {bad}"
-    edits = [str(p.relative_to(ROOT)) for folder in ("bench", "examples") for p in _py(folder)
+    bad = [b for folder in ("bench", "examples", "experiments") for p in _py(folder)
+           for b in _private_package_imports(p)]
+    assert not bad, f"private names of kvpos imported by bench/, examples/ or experiments/: {bad}"
+    edits = [str(p.relative_to(ROOT)) for folder in ("bench", "examples", "experiments") for p in _py(folder)
              if "sys.path" in p.read_text()]
     assert not edits, f"bench/ and examples/ import the installed package, never a path: {edits}"
 

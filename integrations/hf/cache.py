@@ -216,8 +216,8 @@ class PositionedCache(PositionedKV, Cache):
     Memory: storage="rotated" (default) keeps raw keys + rotated keys + values (1.5x a DynamicCache), buffers
     growing geometrically (no per-step cat); storage="raw" keeps raw keys + values (the size of a DynamicCache) and
     rotates keys on read; storage="int8" keeps them as int8 codes (`kvpos.cache.QuantSlotLayer`: keys per channel
-    over 32-token groups, values per token, the newest <= 32 tokens unquantized; ~0.28x an fp32 DynamicCache,
-    approximate; no recompute forwards, no torch.compile). How raw keys are read (`read`):
+    over 32-token groups, values per token, the newest <= 32 tokens unquantized; bytes in
+    results/bench_memory.md; approximate; no recompute forwards, no torch.compile). How raw keys are read (`read`):
       "auto" (default): decode steps (one token per row) hand the raw keys to the "kvpos" attention (from_model
           switches an SDPA model to it), whose fused C kernel rotates each key in registers while it scores it
           (`kvpos._kernels.decode_raw_kernel`; int8: `decode_q8_kernel`, which also dequantizes in registers);

@@ -108,7 +108,7 @@ def extend(model: torch.nn.Module, cache: PositionedKV, ids: torch.Tensor, posit
 
     The new slots are appended to `cache` (cache: modified in place, labelled `segment`). Returns logits [B, S, V],
     or [B, 1, V] (the last position's only) with last_logits=True: the LM head then runs on one position instead of
-    S (at S = 1500 on SmolLM2 it is ~13% of the forward), for callers that only fill the cache.
+    S, for callers that only fill the cache.
     attention_mask: optional 4-D [B, 1, S, T+S] bool mask (True = attend) replacing the default causal one.
     attention: an attention backend (e.g. ApeBackend, WindowBackend) bound for this call.
     """

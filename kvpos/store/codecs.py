@@ -12,9 +12,9 @@ from .._checks import fail
 # How an entry holds its keys and values. "float": as computed (entries without a scheme field are "float").
 # "int8": keys int8 per channel (one scale per layer, head and channel over the chunk's tokens, taken BEFORE RoPE
 # where a channel's outliers stay in that channel), values int8 per token (one scale per layer, head and token);
-# read back as the dtype they were computed in. 0.27x the bytes of a float32 entry (0.53x of bfloat16).
+# read back as the dtype they were computed in (bytes per token: results/bench_memory_store.md).
 # "int4": 4-bit codes, asymmetric (a scale and a minimum per group), two per byte: keys per channel over groups of
-# INT4_GROUP tokens (before RoPE, as int8), values per token over groups of INT4_GROUP channels. 0.16x of float32.
+# INT4_GROUP tokens (before RoPE, as int8), values per token over groups of INT4_GROUP channels.
 SCHEMES = ("float", "int8", "int4")
 INT4_GROUP = 64
 

@@ -2,7 +2,7 @@
 
     python bench/pie_eval.py --seed 1 --samples 40 --skip pie naive pie+k --also pie+k64+tail512 ... \\
         --json results/pie_calib_seed1.json
-    python bench/pie_calibrate.py --records results/pie_calib_seed1.json --json results/pie_auto_calibration.json
+    PYTHONPATH=bench python experiments/pie_calibrate.py --records results/pie_calib_seed1.json --json results/pie_auto_calibration.json
 
 auto(R, V): per sample, prefix (exact) when at most R tokens of the new document follow the first edit, else V (a
 pie+k<K>+tail<T> strategy of the run). Its outcome on a sample is the outcome of the strategy it picks, which the run

@@ -1,6 +1,6 @@
 """Is kvpos's `prefix` edit strategy as fast as transformers' own prefix reuse? (the baseline pie_eval divides by)
 
-    python bench/prefix_parity.py [--tokens 2048] [--firsts 256 512 1024 1536 1792] [--reps 3] [--json PATH]
+    PYTHONPATH=bench python experiments/prefix_parity.py [--tokens 2048] [--firsts 256 512 1024 1536 1792] [--reps 3] [--json PATH]
 
 One real document (the start of a standard-library source file, tokenized by the model's tokenizer). For each
 `first` (the index of the first edited token), side by side in one run:

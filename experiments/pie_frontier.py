@@ -1,6 +1,6 @@
 """Agreement vs cost of edit rules "prefix when it is cheap, else strategy S", from saved pie_eval records.
 
-    python bench/pie_frontier.py results/pie_calib_seed1.json [more.json ...] --json results/pie_frontier_seed1.json
+    PYTHONPATH=bench python experiments/pie_frontier.py results/pie_calib_seed1.json [more.json ...] --json results/pie_frontier_seed1.json
                                  [--lambdas 0 1 1.5 2 3] [--target-agree 95] [--target-ratio 0.5]
 
 For every strategy S a pie_eval run recorded (besides full, prefix and naive) and every lambda: per sample, the rule

@@ -1,7 +1,7 @@
 """What a margin gate would do, replayed on a finished pie_eval run's records (no model): choose the floor on a
 calibration split before running EditSession.complete for real on held-out samples.
 
-    python bench/pie_gate.py results/pie_gate_calib_seed1_run.json --base auto+b20 auto+b25 [--pairs A,B] \
+    PYTHONPATH=bench python experiments/pie_gate.py results/pie_gate_calib_seed1_run.json --base auto+b20 auto+b25 [--pairs A,B] \
         --margins 0.25 0.5 1 1.5 2 --json results/pie_gate_calib_seed1.json
 
 The gate (EditSession.complete): update with the base strategy and generate; at the first generated step whose margin
