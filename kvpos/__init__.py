@@ -32,15 +32,28 @@ from __future__ import annotations
 
 from .cache import PositionedKV, SlotLayer, SlotTable
 from .edits import Delete, Insert, Replace, Strategy, apply_edits, diff_tokens
-from .rope import RopeLayout, RopeSpec, UnsupportedRopeError, cos_sin, rope_specs_from_model, rotate, unrotate
+from .rope import RopeLayout, RopeSpec, UnsupportedRopeError, cos_sin, rotate, unrotate
 from .store import (FORMAT_VERSION, ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint,
                     FingerprintMismatch, MemoryBackend, RedisBackend, StoreUnavailable)
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "RopeLayout", "RopeSpec", "UnsupportedRopeError", "cos_sin", "rope_specs_from_model", "rotate", "unrotate",
+    "RopeLayout", "RopeSpec", "UnsupportedRopeError", "cos_sin", "rotate", "unrotate",
     "PositionedKV", "SlotLayer", "SlotTable", "FORMAT_VERSION", "Insert", "Delete", "Replace", "Strategy",
     "apply_edits", "diff_tokens", "ChunkKV", "ChunkStore", "CorruptChunkError", "DiskBackend", "Fingerprint",
     "FingerprintMismatch", "MemoryBackend", "RedisBackend", "StoreUnavailable",
 ]
+
+
+def __getattr__(name: str):
+    """`kvpos.rope_specs_from_model` moved to kvpos.integrations.hf (transformers introspection is not the core's
+    job): kept as a deprecated alias for code that imported it from here."""
+    if name == "rope_specs_from_model":
+        import importlib
+        import warnings
+
+        warnings.warn("kvpos.rope_specs_from_model moved: import it from kvpos.integrations.hf", DeprecationWarning,
+                      stacklevel=2)
+        return importlib.import_module("kvpos.integrations.hf.specs").rope_specs_from_model
+    raise AttributeError(f"module 'kvpos' has no attribute {name!r}")

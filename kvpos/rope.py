@@ -26,7 +26,7 @@ import torch
 from ._checks import fail
 from ._kernels import rope_apply_kernel
 
-__all__ = ["RopeLayout", "RopeSpec", "rotate", "unrotate", "cos_sin", "rope_specs_from_model", "UnsupportedRopeError"]
+__all__ = ["RopeLayout", "RopeSpec", "rotate", "unrotate", "cos_sin", "UnsupportedRopeError", "STATIC_ROPE_TYPES"]
 
 
 class UnsupportedRopeError(ValueError):
@@ -40,10 +40,8 @@ class RopeLayout(str, enum.Enum):
     INTERLEAVED = "interleaved"
 
 
-# transformers model types whose rotate_half pairs adjacent dims (x[..., ::2], x[..., 1::2])
-_INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "glm", "glm4", "glm4_moe", "gptj", "codegen"})
 # rope types whose frequencies do not depend on the sequence length: a key re-rotated anywhere is exact
-_STATIC_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,118 +212,3 @@ def unrotate(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec, out: torch.Tens
     """Exact inverse of `rotate`: the conjugate rotation, divided by attention_scaling."""
     cos, sin = _cos_sin_for(x, pos, spec)
     return _apply(x, cos, -sin, spec, 1.0 / spec.attention_scaling, out)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Extraction from a loaded transformers model (duck-typed: no transformers import here)
-# ---------------------------------------------------------------------------------------------------------------------
-
-def _find_rotary(model: Any) -> Any:
-    for name, mod in model.named_modules():
-        cls = type(mod).__name__
-        if cls.endswith("RotaryEmbedding") or name.endswith("rotary_emb"):
-            return mod
-    return None
-
-
-def _head_dim(config: Any) -> int:
-    hd = getattr(config, "head_dim", None)
-    if hd:
-        return int(hd)
-    return int(config.hidden_size // config.num_attention_heads)
-
-
-def _rope_param(config: Any, layer_type: str | None, key: str, default: Any = None) -> Any:
-    rp = getattr(config, "rope_parameters", None) or {}
-    if layer_type is not None and isinstance(rp.get(layer_type), dict):
-        rp = rp[layer_type]
-    return rp.get(key, default)
-
-
-def _limit_for(config: Any, rope_type: str, layer_type: str | None, rotary: Any) -> int | None:
-    if rope_type in _STATIC_ROPE_TYPES:
-        return None
-    if rope_type == "dynamic":
-        return int(getattr(rotary, "original_max_seq_len", None) or config.max_position_embeddings)
-    if rope_type == "longrope":
-        omp = getattr(config, "original_max_position_embeddings", None) or _rope_param(
-            config, layer_type, "original_max_position_embeddings")
-        return int(omp)
-    raise UnsupportedRopeError(
-        f"rope_type: expected one of {sorted(_STATIC_ROPE_TYPES | {'dynamic', 'longrope'})}, got {rope_type!r}; "
-        "kvpos cannot re-position keys for an encoding it does not know exactly")
-
-
-# decoder layer types whose state is keys and values at positions (what a PositionedKV holds)
-_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
-
-
-def rope_specs_from_model(model: Any, angle_dtype: torch.dtype = torch.float32) -> list[RopeSpec]:
-    """Build one RopeSpec per decoder layer from a loaded transformers causal LM.
-
-    Reads `inv_freq` / `attention_scaling` from the model's rotary module (per layer type for models such as Gemma3),
-    so every scaled rope_type is handled by transformers' own init functions. Raises UnsupportedRopeError for models
-    without RoPE (ALiBi, learned absolute positions), M-RoPE, and unknown rope types.
-    """
-    config = getattr(model, "config", None)
-    if config is None:
-        fail("model", "a transformers model with .config", type(model).__name__, exc=TypeError)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_type = getattr(config, "model_type", "?")
-    rotary = _find_rotary(model)
-    if rotary is None:
-        raise UnsupportedRopeError(
-            f"model: expected a RoPE model (a *RotaryEmbedding module), got {type(model).__name__} "
-            f"(model_type={model_type!r}) without one; ALiBi and learned absolute positions cannot be re-positioned")
-    if getattr(config, "rope_parameters", None) and _rope_param(config, None, "mrope_section"):
-        raise UnsupportedRopeError(f"model_type={model_type!r}: M-RoPE (3-D positions) is not supported")
-    if getattr(config, "kv_lora_rank", None):
-        raise UnsupportedRopeError(
-            f"model_type={model_type!r}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}) rotates only "
-            f"a {getattr(config, 'qk_rope_head_dim', '?')}-dim part of keys built from a compressed latent; kvpos's "
-            "per-layer RoPE specs do not describe that layout")
-    n_layers = int(config.num_hidden_layers)
-    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
-    other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
-    if other:
-        raise UnsupportedRopeError(
-            f"model_type={model_type!r}: layer types {other} keep state other than positioned keys and values "
-            "(recurrent, linear or indexed attention); run such hybrid models with transformers' own cache")
-    try:
-        head_dim = _head_dim(config)
-    except RuntimeError as e:       # transformers' AmbiguousGlobalPerLayerAttributeError: head sizes vary by layer
-        if "per-layer" not in str(e):
-            raise
-        raise UnsupportedRopeError(f"model_type={model_type!r}: a heterogeneous config (head sizes that vary by "
-                                   "layer) is not supported") from e
-    layout = RopeLayout.INTERLEAVED if model_type in _INTERLEAVED_MODEL_TYPES else RopeLayout.HALF
-    per_type: dict[str | None, RopeSpec] = {}
-    specs = []
-    for lt in layer_types:
-        key = lt if hasattr(rotary, f"{lt}_inv_freq") else None
-        if key not in per_type:
-            per_type[key] = _spec_for(rotary, config, key, head_dim, layout, angle_dtype)
-        specs.append(per_type[key])
-    return specs
-
-
-def _spec_for(rotary: Any, config: Any, layer_type: str | None, head_dim: int, layout: RopeLayout,
-              angle_dtype: torch.dtype) -> RopeSpec:
-    prefix = "" if layer_type is None else f"{layer_type}_"
-    rope_type = getattr(rotary, "rope_type", "default")
-    if isinstance(rope_type, dict):
-        rope_type = rope_type.get(layer_type, "default")
-    rope_type = str(rope_type)
-    # dynamic/longrope rewrite inv_freq in forward; the original (short) set is the one valid below the limit
-    inv = getattr(rotary, f"{prefix}original_inv_freq", None)
-    if inv is None or rope_type in _STATIC_ROPE_TYPES:
-        inv = getattr(rotary, f"{prefix}inv_freq", None)
-    if not isinstance(inv, torch.Tensor):
-        raise UnsupportedRopeError(
-            f"model_type={getattr(config, 'model_type', '?')!r}: expected a rotary module with an `inv_freq` buffer, got "
-            f"{type(rotary).__name__} without one (e.g. GPT-J's table of sinusoids); kvpos cannot read its frequencies")
-    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
-    limit = _limit_for(config, rope_type, layer_type, rotary)
-    return RopeSpec(inv_freq=inv.detach().float().cpu(), attention_scaling=scaling, rotary_dim=2 * inv.numel(),
-                    head_dim=head_dim, layout=layout, rope_type=rope_type, max_exact_position=limit,
-                    angle_dtype=angle_dtype)

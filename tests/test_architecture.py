@@ -137,6 +137,28 @@ def test_the_import_checks_can_fail(tmp_path):
     assert len(_module_level_state(g, tmp_path)) == 4        # _ACTIVE, X, Y and the global; not the tuple
 
 
+def test_importing_the_spec_room_does_not_load_the_transformers_adapter():
+    """What the vLLM connector imports from hf/ (specs.py) loads neither the attention nor the cache code; the
+    connector's own imports are checked by the vLLM suite."""
+    code = ("import sys; from kvpos.integrations.hf.specs import rope_specs_from_config; "
+            "print(sorted(m for m in sys.modules if m.startswith('kvpos.integrations.hf')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['kvpos.integrations.hf', 'kvpos.integrations.hf.specs']", out.stdout
+    hf_imports = sorted({m for p in _py("integrations/vllm") for _, m in _imported_modules(p)
+                         if m.startswith("kvpos.integrations.hf")})
+    assert hf_imports == ["kvpos.integrations.hf.specs"], hf_imports
+
+
+MAX_LINES = 500     # one room, one job: a library file past this has two jobs (C sources aside)
+
+
+def test_no_library_file_is_over_the_room_size():
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for folder in ("kvpos", "integrations") for p in _py(folder)
+           if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not big, f"split these along their seams (at most {MAX_LINES} lines a file): {big}"
+
+
 def _c_in_python(path: Path) -> list[str]:
     """String literals of a Python file that hold C (an #include or a function body with OpenMP pragmas)."""
     bad = []

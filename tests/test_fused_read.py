@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import kvpos.cache
+import kvpos.cache.reads
 from kvpos._kernels import decode_raw_kernel, rope_kernel_available
 from kvpos.integrations.hf import PositionedCache
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
@@ -162,7 +162,7 @@ def test_fused_refusal_inside_attention_drops_the_step(monkeypatch):
     """The kernel declining a call (here forced) in read='fused': ValueError, and the cache holds what it held
     before the step (the layers already written are rolled back)."""
     model, c = _filled("fused")
-    monkeypatch.setattr(kvpos.cache, "decode_raw_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(kvpos.cache.reads, "decode_raw_kernel", lambda *a, **k: None)
     pos = c.positions.clone()
     with pytest.raises(ValueError, match="fused"):
         with torch.no_grad():
@@ -177,7 +177,7 @@ def test_fused_refusal_inside_attention_drops_the_step(monkeypatch):
 def test_auto_where_the_kernel_declines_uses_the_buffer_path(monkeypatch):
     model, c = _filled("auto")
     ref = c.copy()
-    monkeypatch.setattr(kvpos.cache, "decode_raw_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(kvpos.cache.reads, "decode_raw_kernel", lambda *a, **k: None)
     with torch.no_grad():
         a = model(torch.tensor([[9]]), cache=c, use_cache=True).logits
     monkeypatch.undo()

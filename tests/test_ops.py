@@ -247,7 +247,7 @@ def test_adapter_error_paths():
     model(torch.randint(3, 128, (1, 12)), cache=dyn, use_cache=True)
     conv = PositionedCache.from_dynamic(model, dyn)
     assert torch.equal(conv.layers[1].keys, dyn.layers[1].keys)
-    from kvpos import rope_specs_from_model
+    from kvpos.integrations.hf import rope_specs_from_model
     cache = PositionedCache(rope_specs_from_model(model))    # no model bound: direct writes without a forward
     # a forward whose layers receive different numbers of tokens is refused, not silently mis-recorded
     cache.layers[0].update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), kwargs={"position_ids": torch.arange(3)[None]})

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from kvpos import PositionedKV, RopeSpec, UnsupportedRopeError, rope_specs_from_model
+from kvpos import PositionedKV, RopeSpec, UnsupportedRopeError
+from kvpos.integrations.hf import rope_specs_from_model
 from kvpos.store import (ChunkKV, ChunkStore, CorruptChunkError, DiskBackend, Fingerprint, FingerprintMismatch,
                          MemoryBackend, RedisBackend, StoreServerError, StoreUnavailable, WeightsDigest, deserialize,
                          serialize)
@@ -160,13 +161,13 @@ def _spec_cache(B=1, H=2, D=8, T=60, L=3):
 
 
 def _failing_allocations(monkeypatch, fail_at: int) -> list:
-    """Make the fail_at-th allocation made by kvpos/cache.py raise (torch.empty / zeros / ones)."""
+    """Make the fail_at-th allocation made by the kvpos/cache/ package raise (torch.empty / zeros / ones)."""
     count = [0]
     for name in ("empty", "zeros", "ones"):
         real = getattr(torch, name)
 
         def fake(*a, _real=real, **k):
-            if sys._getframe(1).f_code.co_filename.endswith(os.path.join("kvpos", "cache.py")):
+            if os.path.join("kvpos", "cache", "") in sys._getframe(1).f_code.co_filename:
                 count[0] += 1
                 if count[0] == fail_at:
                     raise MemoryError(f"injected allocation failure #{fail_at}")

@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers as T
 
-from kvpos import RopeLayout, RopeSpec, UnsupportedRopeError, rope_specs_from_model, rotate, unrotate
+from kvpos import RopeLayout, RopeSpec, UnsupportedRopeError, rotate, unrotate
+from kvpos.integrations.hf import rope_specs_from_model
 from kvpos.reference import rotate_ref, unrotate_ref
 from kvpos.integrations.hf.testing import LIMITED_ARCHS, TINY_ARCHS, tiny_model
 

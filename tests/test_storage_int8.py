@@ -9,13 +9,13 @@ import contextlib
 import pytest
 import torch
 
-import kvpos.cache
+import kvpos.cache.reads
 from transformers import DynamicCache
 
 from kvpos import PositionedKV
 from kvpos._kernels import decode_q8_kernel
 from kvpos.integrations.hf import PositionedCache, extend
-from kvpos.integrations.hf.cache import register_pytree
+from kvpos.integrations.hf.pytree import register_pytree
 from kvpos.integrations.hf.testing import TINY_ARCHS, tiny_model
 from kvpos.edits import Delete, Insert
 from kvpos.quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_ref, quantize_values
@@ -330,7 +330,7 @@ def test_fused_refusal_and_auto_fallback(monkeypatch):
     strict = c.copy()
     strict.read = "fused"
     before = strict.raw_kv()
-    monkeypatch.setattr(kvpos.cache, "decode_q8_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(kvpos.cache.reads, "decode_q8_kernel", lambda *a, **k: None)
     with pytest.raises(ValueError, match="fused"), torch.no_grad():
         model(torch.tensor([[9]]), position_ids=torch.tensor([[100]]), cache=strict, use_cache=True)
     assert _same(strict.raw_kv(), before) and strict.num_slots == 100

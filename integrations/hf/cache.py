@@ -13,194 +13,26 @@ than the one it was built for (another RoPE base would silently corrupt its keys
 """
 from __future__ import annotations
 
-import contextvars
-import functools
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvpos._checks import fail
 from kvpos._kernels import kernel_status, rope_kernel_available
-from kvpos.cache import PositionedKV, QuantSlotLayer, SlotLayer
-from kvpos.rope import RopeSpec, rope_specs_from_model
+from kvpos.cache import PositionedKV
+from kvpos.rope import RopeSpec
 
+from .specs import rope_specs_from_model
 from .attention import RawRead, hand_raw_keys, pending_raw_read, switch_to_kvpos, uses_kvpos_attention
+from .handoff import check_raw_handoff
+from .layers import PositionedLayer, PositionedQuantLayer
+from .positions import _FORWARD, _NO_POSITIONS_FIX, _ForwardNote, _direct_positions, _install_forward_hook, _passed_positions
 
-__all__ = ["PositionedCache", "PositionedLayer", "register_pytree", "READS"]
+__all__ = ["PositionedCache", "READS"]
 
 READS = ("auto", "torch", "fused")
-
-@dataclass(frozen=True)
-class _ForwardNote:
-    """Which model's forward is running (weak reference) and its positions, as the rotary module saw them."""
-
-    model: weakref.ref
-    positions: torch.Tensor | None
-
-
-# the running forward of this thread / task, recorded by the rotary-module hook; consumed by the cache's first write
-_FORWARD: contextvars.ContextVar[_ForwardNote | None] = contextvars.ContextVar("kvpos_forward", default=None)
-
-
-def _record_forward(model_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():
-        return          # torch.compile cannot trace context variables; traced forwards are checked by shape instead
-    pos = kwargs.get("position_ids")
-    if pos is None and len(args) >= 2:
-        pos = args[1]
-    _FORWARD.set(_ForwardNote(model_ref, pos))
-
-
-def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
-            or n.endswith("rotary_emb")]
-
-
-def _install_forward_hook(model: torch.nn.Module) -> weakref.ref:
-    """Record every forward of `model` from its rotary modules (idempotent); returns the model's weak reference."""
-    ref = weakref.ref(model)
-    for m in _rotary_modules(model):
-        mine = [h for h in m._forward_pre_hooks.values()
-                if isinstance(h, functools.partial) and h.func is _record_forward]
-        if any(h.args[0]() is model for h in mine):
-            continue
-        m.register_forward_pre_hook(functools.partial(_record_forward, ref), with_kwargs=True)
-    return ref
-
-
-def _passed_positions(kwargs: dict) -> torch.Tensor | None:
-    """The position_ids handed to `cache.update`: by a model (`kwargs={...}` or keywords) or by a direct caller
-    (`cache_kwargs={...}`, or that dict as the fourth positional argument), or None."""
-    for name in ("cache_kwargs", "kwargs"):
-        inner = kwargs.get(name)
-        if isinstance(inner, dict) and inner.get("position_ids") is not None:
-            return inner["position_ids"]
-    return kwargs.get("position_ids")
-
-
-def _direct_positions(kwargs: dict) -> bool:
-    """True when a direct caller (not a model forward) passed the positions: `cache_kwargs={"position_ids": ...}`."""
-    inner = kwargs.get("cache_kwargs")
-    return isinstance(inner, dict) and inner.get("position_ids") is not None
-
-
-_NO_POSITIONS_FIX = ("run the model's forward (its rotary module records the positions), or pass them: "
-                     "cache.update(k, v, layer_idx, cache_kwargs={'position_ids': pos}) with pos int64 [B|1, S]")
-
-
-class PositionedLayer(SlotLayer, CacheLayerMixin):
-    """One decoder layer of a PositionedCache: SlotLayer storage speaking the transformers CacheLayerMixin protocol."""
-
-    is_sliding = False
-    is_croppable = True
-    supports_early_init = True
-
-    def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
-                 storage: str = "rotated", fixed: int | None = None) -> None:
-        SlotLayer.__init__(self, spec, raw_dtype, storage, fixed)  # CacheLayerMixin.__init__ would overwrite keys/values
-        self._owner_ref = weakref.ref(owner)       # no reference cycle: a dropped cache frees its buffers at once
-        self.index = index
-
-    @property
-    def _owner(self) -> "PositionedCache":
-        owner = self._owner_ref()
-        if owner is None:
-            fail(f"cache layer {self.index}", "its PositionedCache alive", "a layer whose cache was dropped")
-        return owner
-
-    @property
-    def is_initialized(self) -> bool:  # type: ignore[override]
-        return self.allocated
-
-    @property
-    def is_compileable(self) -> bool:  # type: ignore[override]
-        """True for a fixed-capacity cache (static shapes: transformers' generate may compile its decode steps)."""
-        return self.fixed is not None
-
-    @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        """[B, H, T, D] keys at their current positions (storage="raw": rotated on read, see layer_keys)."""
-        self._owner._sync_count()
-        if self.storage == "rotated":
-            return None if self.rot_k is None else self.rot_k[:, :, : self.n]
-        return self._owner.layer_keys(self.index)
-
-    @property
-    def device(self) -> torch.device:
-        """The device the layer computes on (where `prefetch` brings offloaded buffers back)."""
-        home = getattr(self, "_home", None)
-        if home is not None:
-            return home
-        return self.v.device if self.allocated else torch.device("cpu")
-
-    @property
-    def raw_keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        """[B, H, T, D] keys before RoPE."""
-        self._owner._sync_count()
-        return None if self.raw_k is None else self.raw_k[:, :, : self.n]
-
-    @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        """[B, H, T, D] values."""
-        self._owner._sync_count()
-        return None if self.v is None else self.v[:, :, : self.n]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.reserve(key_states, value_states, 0)
-
-    def offload(self) -> None:
-        """Move this layer's buffers to CPU (transformers' layer offloading); `prefetch` brings them back."""
-        if self.allocated:
-            self._home = self.device
-            self.set_buffers([t.to("cpu", non_blocking=True) for t in self.buffers()])
-
-    def prefetch(self) -> None:
-        """Bring offloaded buffers back to the layer's device."""
-        if self.allocated and self.v.device != self.device:
-            d = self.device
-            self.set_buffers([t.to(d, non_blocking=True) for t in self.buffers()])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._owner.update(key_states, value_states, self.index, *args, **kwargs)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.fixed if self.fixed is not None else self.n + query_length), 0
-
-    def get_seq_length(self) -> int:
-        self._owner._sync_count()
-        return self.n
-
-    def get_max_length(self) -> int:
-        return -1 if self.fixed is None else self.fixed
-
-    def reset(self) -> None:
-        self._owner.reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._owner.crop(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._owner.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._owner.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._owner.batch_select_indices(indices)
-
-
-class PositionedQuantLayer(QuantSlotLayer, PositionedLayer):
-    """A PositionedLayer with storage="int8" (QuantSlotLayer's buffers and reads, PositionedLayer's protocol)."""
-
-    def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
-                 storage: str = "int8", fixed: int | None = None) -> None:
-        QuantSlotLayer.__init__(self, spec, raw_dtype, storage, fixed)
-        self._owner_ref = weakref.ref(owner)
-        self.index = index
 
 
 class PositionedCache(PositionedKV, Cache):
@@ -494,7 +326,9 @@ class PositionedCache(PositionedKV, Cache):
             self._refuse_compile_fallback(index)
             if _passed_positions(kwargs) is None:
                 fail(f"cache.update layer {index}: position_ids", "the positions the new keys were rotated at",
-                     "no positions (no model forward recorded them and none were passed)", _NO_POSITIONS_FIX)
+                     ("no positions (no model forward recorded them and none were passed; under torch.compile: a model "
+                      "that does not pass position_ids to the cache, such as GPT-NeoX, which must run eagerly)"),
+                     _NO_POSITIONS_FIX)
         if note is None or note.model() is not self.origin():
             got = ("a forward of a model without kvpos's hook (or, under torch.compile, a model that does not pass "
                    "position_ids to the cache, such as GPT-NeoX: run it eagerly)") if note is None else \
@@ -564,135 +398,3 @@ class PositionedCache(PositionedKV, Cache):
 
     def __repr__(self) -> str:
         return PositionedKV.__repr__(self)
-
-
-def check_raw_handoff(model: torch.nn.Module, cache: PositionedCache) -> str | None:
-    """Why decode steps of `cache` (storage "raw" / "int8") may not hand raw keys to `model`'s attention, or None.
-
-    Decided by trying it, not by a list of architectures: a 4-token prefill at positions ~100 and one decode step
-    through two empty caches like `cache`, one handing raw keys to the "kvpos" attention (the fused reader) and one
-    rotating them into a buffer (read="torch", exact for every architecture). The hand-off is exact when the decode
-    logits agree within rounding (an attention that reads the keys unrotated misses by O(1)) and every layer's
-    attention took the keys and values the cache returned, once. No model state changes (the caches are dropped)."""
-    why = _why_not_handoff_model(model, cache)
-    if why is not None:
-        return why
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
-    limits = [s.max_exact_position for s in cache.specs if s.max_exact_position is not None]
-    base = max(0, min([96] + [m - 8 for m in limits]))
-    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(5, device=dev) * 7 + 3) % max(vocab, 1)
-    pos = torch.arange(base, base + 5, device=dev)[None]
-    out = {}
-    for mode in ("torch", "handoff"):
-        probe = type(cache)(cache.specs, cache.raw_dtype, cache.origin, cache.model_id, storage=cache.storage,
-                            read="torch" if mode == "torch" else "auto")
-        try:
-            with torch.no_grad():
-                model(input_ids=ids[None, :4], position_ids=pos[:, :4], use_cache=True, **{_cache_kwarg(model): probe})
-                logits = model(input_ids=ids[None, 4:], position_ids=pos[:, 4:], use_cache=True,
-                               **{_cache_kwarg(model): probe}).logits[0, -1].float()
-        except Exception as e:  # noqa: BLE001 - any failure of the hand-off means it is not for this model
-            return f"a decode step with raw keys handed to attention raised {type(e).__name__}: {str(e)[:160]}"
-        if mode == "handoff" and probe.read_counts["fused"] != len(cache.layers):
-            return (f"{probe.read_counts['fused']} of {len(cache.layers)} layers' attention read the raw keys "
-                    f"through the fused kernel ({probe.read_counts})")
-        out[mode], dtype = logits, probe.dtype
-    diff = float((out["handoff"] - out["torch"]).abs().max())
-    tol = (1e-3 if dtype == torch.float32 else 5e-2) * max(1.0, float(out["torch"].abs().max()))
-    if not diff <= tol:
-        return (f"decode logits with the raw-key hand-off differ from the rotated-key reference by {diff:.3g} "
-                f"(> {tol:.2g}): the architecture's attention does not read the keys as the cache hands them out")
-    return None
-
-
-def _why_not_handoff_model(model: torch.nn.Module, cache: PositionedCache) -> str | None:
-    """Reasons known without running the model (the kernels, the attention implementation)."""
-    if not rope_kernel_available():
-        return f"the C kernels are not built ({kernel_status()})"
-    if not uses_kvpos_attention(model):
-        return "the model's attention is not 'kvpos' (build the cache with from_model on an SDPA model)"
-    return None
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-# -- torch.export: a PositionedCache as a pytree node (opt-in, as transformers does for its own caches) -----------
-@dataclass(frozen=True)
-class _TreeContext:
-    """What a flattened PositionedCache keeps besides its tensors: compared by value (the specs by their rotation
-    keys); the model binding and the spec objects travel along without taking part in comparisons."""
-
-    cls: type
-    storage: str
-    raw_dtype: torch.dtype | None
-    spec_keys: tuple
-    layers: tuple                                   # per layer: the dtype of the keys attention reads, or None
-    table: bool                                     # whether the slot table is allocated
-    specs: tuple = field(compare=False)
-    origin: Any = field(compare=False)
-    model_id: str | None = field(compare=False)
-
-
-def _tree_flatten(cache: PositionedCache) -> tuple[list[torch.Tensor], _TreeContext]:
-    """Leaves: per allocated layer its valid slots of each buffer ([B, H, T, D] views), then the table's
-    positions / visibility / segments ([B, T]). T is a tensor size, so an export can make it dynamic."""
-    if cache.capacity is not None:
-        fail("torch.export of a PositionedCache", "a growing cache (capacity=None)", f"capacity={cache.capacity}",
-             "export with PositionedCache.from_model(model); a fixed capacity's slot count is not a tensor size")
-    if cache.offloading:
-        fail("torch.export of a PositionedCache", "offloading=False", "offloading=True")
-    if cache.storage == "int8":
-        fail("torch.export of a PositionedCache", "storage 'rotated' or 'raw'", "storage='int8'",
-             "quantized storage runs eagerly only")
-    leaves: list[torch.Tensor] = []
-    for l in cache.layers:
-        if l.allocated:
-            leaves += [b[:, :, : l.n] for b in l.buffers()]
-    t = cache.table
-    if t._pos is not None:
-        leaves += [t._pos[:, : t.n], t._vis[:, : t.n], t._seg[:, : t.n]]
-    ctx = _TreeContext(type(cache), cache.storage, cache.raw_dtype, tuple(s.key() for s in cache.specs),
-                       tuple(l.key_dtype if l.allocated else None for l in cache.layers), t._pos is not None,
-                       tuple(cache.specs), cache.origin, cache.model_id)
-    return leaves, ctx
-
-
-def _tree_unflatten(leaves: Any, ctx: _TreeContext) -> PositionedCache:
-    """A cache around `leaves` (the tensors themselves, not copies): every layer holds exactly its T slots."""
-    cache = ctx.cls(list(ctx.specs), ctx.raw_dtype, ctx.origin, ctx.model_id, storage=ctx.storage)
-    it = iter(list(leaves))
-    for l, key_dtype in zip(cache.layers, ctx.layers):
-        if key_dtype is not None:
-            l.set_buffers([next(it) for _ in l._names])
-            l.key_dtype, l.n = key_dtype, l.v.shape[2]
-    if ctx.table:
-        t = cache.table
-        t._pos, t._vis, t._seg = next(it), next(it), next(it)
-        t.n = t._pos.shape[1]
-    return cache
-
-
-def _tree_flatten_with_keys(cache: PositionedCache) -> tuple[list, _TreeContext]:
-    from torch.utils._pytree import SequenceKey
-
-    leaves, ctx = _tree_flatten(cache)
-    return [(SequenceKey(i), x) for i, x in enumerate(leaves)], ctx
-
-
-def register_pytree(cls: type = PositionedCache) -> None:
-    """Register `cls` as a torch pytree node, so that `torch.export.export(model, ..., {"cache": cache})` accepts a
-    PositionedCache as an input and returns one (what transformers' exporters do for their own caches). Opt-in and
-    idempotent: registration changes how torch's tree utilities see every instance, so kvpos never does it on
-    import. The exported program keeps the RoPE specs and model binding in memory (no `torch.export.save`)."""
-    import torch.utils._pytree as pytree
-
-    if cls in pytree.SUPPORTED_NODES:
-        return
-    pytree.register_pytree_node(cls, _tree_flatten, _tree_unflatten,
-                                flatten_with_keys_fn=_tree_flatten_with_keys)

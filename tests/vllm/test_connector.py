@@ -256,3 +256,16 @@ def test_bad_parameters_are_refused_by_name_and_the_request_runs_plain(engine, t
     got, _, rep = _ask(engine, prompt, params, n=3)
     assert re.search(match, rep["refused"]) and rep["loaded_tokens"] == 0, rep
     assert len(got) == 3
+
+
+def test_importing_the_connector_does_not_load_the_transformers_adapter():
+    """The connector gets RoPE specs from kvpos.integrations.hf.specs only: vLLM's worker never imports the
+    transformers adapter's cache or attention code."""
+    code = ("import sys, kvpos.integrations.vllm.connector as c; from kvpos.integrations.hf.specs import "
+            "rope_specs_from_config; print(sorted(m for m in sys.modules if m.startswith('kvpos.integrations.hf')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert "kvpos.integrations.hf.specs" in loaded
+    for room in ("attention", "cache", "run", "models"):
+        assert f"kvpos.integrations.hf.{room}'" not in loaded, loaded

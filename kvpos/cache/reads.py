@@ -1,0 +1,178 @@
+"""The read path: rotate-on-read for raw storage (one scratch buffer per forward), fused decode reads, int8
+dequantizing reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .._checks import fail
+from .._kernels import decode_q8_kernel, decode_raw_kernel
+from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
+from .buffers import _alloc
+from .layers import SlotLayer
+
+
+@dataclass
+class _ReadState:
+    """Rotate-on-read state (storage="raw") for one forward: cos/sin of the first `n` slot positions per RoPE spec
+    and one scratch buffer that every layer rotates into (the layers run one after the other), dropped with the
+    forward so that nothing beyond the raw keys and values stays resident."""
+
+    n: int
+    cs: dict = field(default_factory=dict)        # id(spec) -> (cos, sin) [B, 1, n, R/2]; ("scaled", id) [B, n, R/2]
+    scratch: dict = field(default_factory=dict)   # (B, H, D, dtype, device) -> [B, H, n, D]
+
+    def cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = self.cs.get(id(spec))
+        if cs is None:
+            cos, sin = cos_sin(pos[:, : self.n], spec, device=device)
+            cs = self.cs[id(spec)] = (cos[:, None], sin[:, None])
+        return cs
+
+    def scaled_cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, n, R/2] multiplied by the spec's attention scaling: what a fused reader takes (once per
+        spec and forward, shared by its layers)."""
+        key = ("scaled", id(spec))
+        cs = self.cs.get(key)
+        if cs is None:
+            cos, sin = self.cos_sin(spec, pos, device)
+            s = spec.attention_scaling
+            cos, sin = cos[:, 0], sin[:, 0]
+            cs = self.cs[key] = (cos * s, sin * s) if s != 1.0 else (cos, sin)
+        return cs
+
+    def value_buffer(self, layer: "SlotLayer") -> torch.Tensor:
+        """[B, H, n, Dv] in the keys' dtype: where storage="int8" dequantizes a layer's values (shared by layers)."""
+        B, H, _, Dv = layer.v.shape
+        key = ("v", B, H, Dv, layer.key_dtype, layer.v.device)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = _alloc((B, H, self.n, Dv), layer.key_dtype, layer.v.device)
+        return buf
+
+    def buffer(self, layer: "SlotLayer") -> torch.Tensor:
+        B, H, _, D = layer.raw_k.shape
+        key = (B, H, D, layer.key_dtype, layer.raw_k.device)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = _alloc((B, H, self.n, D), layer.key_dtype, layer.raw_k.device)
+        return buf
+
+
+class _Reads:
+    """PositionedKV's reads (a mixin: every name it uses is PositionedKV's)."""
+
+    def raw_read(self, index: int, state: "_ReadState | None" = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """storage="raw": layer `index`'s (raw keys, values [B, H, T, D], cos, sin [B, T, R/2] float32 of the slots'
+        positions, multiplied by the RoPE attention scaling): what an attention needs to rotate keys on read itself.
+        `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `_handout`)."""
+        l, cos, sin = self._fused_read_setup("raw_read", index, "raw", state)
+        return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
+
+    def _fused_read_setup(self, op: str, index: int, storage: str, state: "_ReadState | None"
+                          ) -> tuple[SlotLayer, torch.Tensor, torch.Tensor]:
+        """Layer `index` (checked: allocated, of `storage`) and its slots' scaled cos / sin [B, T, R/2]."""
+        l = self.layers[index]
+        if l.storage != storage or not l.allocated:
+            fail(f"{op} layer {index}", f"an allocated layer with storage={storage!r}",
+                 f"storage={l.storage!r}, allocated={l.allocated}")
+        st = self._read_state() if state is None or state.n != l.n else state
+        cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.raw_k.device)
+        return l, cos, sin
+
+    def _drop_tail_(self, n0: int) -> None:
+        """Forget every slot from `n0` on (a step that failed in attention, running or just committed); positions,
+        keys untouched."""
+        if self._forward is not None and self._forward.n0 == n0:
+            self._rollback_forward()
+            return
+        self._forward = None
+        marks = self._committed
+        for i, l in enumerate(self.layers):
+            if marks is not None and marks[0] == n0 and i in marks[1]:
+                l.restore(marks[1][i])
+            else:
+                l.truncate(n0)
+        self.table.truncate(n0)
+
+    def _read_state(self) -> _ReadState:
+        """The running forward's (or recompute's) rotate-on-read state, else a transient one."""
+        for run in (self._overwrite, self._forward):
+            if run is not None:
+                if run.read is None or run.read.n != self.table.n:
+                    run.read = _ReadState(self.table.n)
+                return run.read
+        return _ReadState(self.table.n)
+
+    def _rotate_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+        """Layer `index`'s keys rotated from raw to the table's positions. `fresh` = (slots, keys [B, H, S, D] the
+        engine rotated itself) are copied in as they are (bit-identical to a plain cache): slots an int m for the
+        tail [m, n) (a forward's new slots: only [0, m) is rotated), or a slot index [S] (a recompute)."""
+        l = self.layers[index]
+        st = self._read_state()
+        n = l.n
+        upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
+        cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
+        out = st.buffer(l)[:, :, :n]
+        if upto:
+            src = l.dequant_keys(0, upto) if l.storage == "int8" else l.raw_k[:, :, :upto]
+            _apply(src, cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling, out=out[:, :, :upto])
+        if fresh is None:
+            pass
+        elif isinstance(fresh[0], int):
+            out[:, :, upto:] = fresh[1].to(out.dtype)
+        else:
+            out[:, :, fresh[0].to(out.device)] = fresh[1].to(out.dtype)
+        if not torch.compiler.is_compiling():          # attention backends (which read it) run eagerly
+            self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
+        return out
+
+    def _values_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+        """Layer `index`'s values [B, H, T, Dv] as attention reads them: the stored ones, or (storage="int8")
+        dequantized into the forward's value buffer, `fresh` = (slots, values) copied in as the engine computed
+        them (like `_rotate_on_read`)."""
+        l = self.layers[index]
+        if l.storage != "int8":
+            return l.values
+        n = l.n
+        upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
+        out = self._read_state().value_buffer(l)[:, :, :n]
+        if upto:
+            l.dequant_values(0, upto, out=out[:, :, :upto])
+        if fresh is not None:
+            out[:, :, upto:] = fresh[1].to(out.dtype)
+        return out
+
+    def read_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s (keys rotated to their positions, values) as attention reads them (read buffers for
+        storage="raw" / "int8": valid until the next layer is read in the same forward)."""
+        return self.layer_keys(index), self._values_on_read(index)
+
+    def quant_read(self, index: int, state: "_ReadState | None" = None) -> dict:
+        """storage="int8": what a fused reader needs of layer `index`: key codes [B, H, T, D] int8 (sealed slots
+        [0, q)), rows [T] int32, scales ks [B, H, R, D], the tail kt / vt [B, H, >= T - q, D], value codes
+        [B, H, T, Dv] int8 and scales vs [B, H, T, 1] (sealed slots), q, and cos / sin [B, T, R/2] float32 (scaled like
+        `raw_read`)."""
+        l, cos, sin = self._fused_read_setup("quant_read", index, "int8", state)
+        n = l.n
+        return dict(codes=l.raw_k[:, :, :n], rows=l.rows[:n], ks=l.ks, kt=l.kt, vcodes=l.v[:, :, :n],
+                    vs=l.vs[:, :, :n], vt=l.vt, q=l.q, cos=cos, sin=sin)
+
+    def decode_fused(self, index: int, state: "_ReadState | None", q: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor | None:
+        """Attention of one query token per row q [B, Hq, D] over layer `index` by the fused kernel of this storage
+        (raw keys rotated in registers; int8: dequantized and rotated in registers): [B, Hq, D] float32, or None
+        where the kernel cannot serve. mask: None or additive float32 [B|1, T]."""
+        spec = self.layers[index].spec
+        inter = spec.layout is RopeLayout.INTERLEAVED
+        if self.storage == "int8":
+            d = self.quant_read(index, state)
+            return decode_q8_kernel(q, d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"], d["vs"],
+                                    d["vt"], d["cos"], d["sin"], mask, scale, spec.rotary_dim, inter)
+        k, v, cos, sin = self.raw_read(index, state)
+        return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)
