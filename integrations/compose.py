@@ -3,7 +3,7 @@
 The plans (where chunks go, what each slot may see) are kvpos.compose; this module runs the model: it encodes the
 anchor and chunks, places stored chunks with `append_raw_`, and re-encodes the slots a repair chooses.
 
-Repairs (optional, measured in bench/rag_eval.py):
+Repairs (optional, measured in bench/rag_eval.py; they live in kvpos.integrations.repairs, re-exported here):
     link_k (EPIC LegoLink): the first k tokens of every chunk after the first are re-encoded at their final
         positions, attending to everything placed before them (sequential layout).
     recompute_ratio (CacheBlend): layers 0-1 are recomputed for all chunk tokens; the fraction of tokens whose
@@ -19,11 +19,12 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpos._checks import as_token_ids, check_fraction, fail
-from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_ANCHOR, SEG_CHUNK0, SEG_QUERY, LayoutPlan, plan_layout
+from kvpos.cache import storage_mode
 from kvpos.store import ChunkKV, ChunkStore, MemoryBackend, WeightsDigest, model_fingerprint
-from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, additive_mask, bind_attention, extend
-from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, run_decoder_layers, takes_logits_to_keep
+from kvpos.integrations.hf import PositionedCache, extend
+from kvpos.integrations.repairs import (AttentionMassProbe, attention_mass_of, blend_recompute,  # noqa: F401
+                                       query_aware_refresh, recompute_slots)
 
 __all__ = ["SEG_ANCHOR", "SEG_QUERY", "SEG_CHUNK0", "Anchor", "ChunkComposer", "compose", "ComposeInfo",
            "encode_chunk", "recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of",
@@ -190,7 +191,7 @@ def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], l
              "them; in parallel layout nothing is placed before a chunk but the anchor)", link_k)
     plan = plan_layout(anchor.length, [c.num_tokens for c in chunks] if chunks else [], layout)
     _check_chunks(anchor, chunks)
-    if storage is None or storage == anchor.cache.storage:
+    if storage is None or storage_mode(storage, "compose storage") is anchor.cache.mode:
         cache = anchor.cache.copy(headroom=plan.num_slots - anchor.length + 64)
     else:
         cache = PositionedCache.from_model(model, storage=storage)
@@ -218,104 +219,3 @@ def compose(model: torch.nn.Module, anchor: Anchor, chunks: Sequence[ChunkKV], l
 # ---------------------------------------------------------------------------------------------------------------------
 # re-encoding chosen slots in place (link tokens, CacheBlend, PIE repairs)
 # ---------------------------------------------------------------------------------------------------------------------
-
-def recompute_slots(model: torch.nn.Module, cache: PositionedKV, slots: torch.Tensor, ids: torch.Tensor,
-                    allowed: torch.Tensor) -> int:
-    """Re-encode the tokens `ids` [S] that sit at `slots` [S] of `cache` in ONE forward (all layers): slot slots[i]
-    attends to the slots where allowed[i] [S, T] is True; the new keys/values overwrite the slots in place
-    (positions unchanged; on an error the slots keep their old contents). Returns S."""
-    if slots.numel() == 0:
-        return 0
-    mask = additive_mask(allowed[:, :cache.num_slots], next(model.parameters()).dtype)[None, None]
-    pos = cache.positions[:, slots]
-    no_head = {"logits_to_keep": 1} if takes_logits_to_keep(model.forward) else {}   # the update needs no logits
-    with cache.overwriting(slots):
-        model(input_ids=ids[None], position_ids=pos, attention_mask=mask, use_cache=True,
-              **{cache_kwarg(model.forward): cache}, **no_head)
-    return int(slots.numel())
-
-
-def blend_recompute(model: torch.nn.Module, cache: PositionedKV, slots: torch.Tensor, ids: torch.Tensor,
-                    allowed: torch.Tensor, ratio: float, n_first: int = 2) -> int:
-    """CacheBlend on stale slots: refresh layers 0..n_first-1 for every token `ids` [S] at `slots` [S] (ascending;
-    slot slots[i] attends where allowed[i] [S, N] is True), pick the top `ratio` of them by the deviation of their
-    layer n_first-1 values (refreshed vs stored), carry those through the remaining layers. The KV of the carried
-    tokens replace the stored ones in place; the others keep their stale KV beyond layer n_first-1.
-    Returns the number of tokens carried through all layers."""
-    base, layers, rotary = decoder_parts(model, "selective recompute (CacheBlend)")
-    S = int(slots.numel())
-    if S == 0:
-        return 0
-    pos = cache.positions[:, slots]
-    mask = additive_mask(allowed[:, :cache.num_slots], next(model.parameters()).dtype)[None, None]
-    hidden = base.embed_tokens(ids[None])
-    n_first = min(n_first, len(layers))
-    v_old = cache.layers[n_first - 1].v[:, :, slots].clone()
-    with cache.overwriting(slots):
-        hidden = run_decoder_layers(layers, 0, n_first, hidden, pos, mask, cache, rotary)
-    if n_first == len(layers):
-        return S
-    dev = (cache.layers[n_first - 1].v[:, :, slots] - v_old).float().pow(2).sum(dim=(1, 3))[0]   # [S]
-    n_sel = max(1, int(round(ratio * S)))
-    sel = torch.topk(dev, n_sel).indices.sort().values
-    with cache.overwriting(slots[sel]):
-        run_decoder_layers(layers, n_first, len(layers), hidden[:, sel], pos[:, sel], mask[:, :, sel], cache, rotary)
-    return n_sel
-
-
-class AttentionMassProbe:
-    """Attention backend for pie+attn: eager attention (the same numbers as transformers' eager implementation),
-    recording per layer the attention probabilities of the query rows over the first `n_keys` slots, averaged over
-    query heads and rows (`mass`, one [n_keys] float32 tensor per layer)."""
-
-    needs_cache = False
-
-    def __init__(self, n_keys: int) -> None:
-        self.n_keys = n_keys
-        self.mass: list[torch.Tensor] = []
-
-    def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
-        q, k, v = call.query, call.key, call.value
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        w = torch.matmul(q, k.transpose(2, 3)) * call.scaling
-        if call.mask is not None:
-            m = call.mask[..., -k.shape[2]:]
-            w = w + m if m.dtype != torch.bool else w.masked_fill(~m, torch.finfo(w.dtype).min)
-        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=(0, 1)))
-        return torch.matmul(w, v).transpose(1, 2).contiguous()
-
-
-@torch.no_grad()
-def attention_mass_of(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
-    """How much tokens `probe_ids` [q], placed after the cache (at `positions` [q], default next_position()..),
-    read each cached slot: their attention probabilities over the N slots (hidden ones get 0), averaged over
-    layers, query heads and probe rows. The cache is left as it was (the probe's slots are cropped). Returns [N]."""
-    N = cache.num_slots
-    if N == 0 or probe_ids.numel() == 0:
-        fail("attention_mass_of", "a non-empty cache and probe", f"{N} slots, {probe_ids.numel()} probe tokens")
-    probe = AttentionMassProbe(N)
-    try:
-        extend(model, cache, probe_ids.reshape(1, -1), positions=positions, attention=probe)
-    finally:
-        cache.crop(N - cache.num_slots)
-    return torch.stack(probe.mass).mean(0)
-
-
-def query_aware_refresh(model: torch.nn.Module, cache: PositionedKV, candidates: torch.Tensor, ids: torch.Tensor,
-                        probe_ids: torch.Tensor, ratio: float, allowed: torch.Tensor) -> int:
-    """Re-encode (all layers, one forward, in place) the `ratio` of the `candidates` slots [C] (token ids [C]) that
-    the probe tokens [q] (e.g. the question) read most, each attending where allowed[c] [C, N] is True. Returns the
-    number of tokens re-encoded."""
-    ratio = check_fraction("query_aware_refresh ratio", ratio)
-    n_sel = int(round(ratio * candidates.numel()))
-    if n_sel == 0:
-        return 0
-    if n_sel < candidates.numel():
-        mass = attention_mass_of(model, cache, probe_ids)
-        pick = torch.topk(mass[candidates], n_sel).indices.sort().values
-    else:
-        pick = torch.arange(candidates.numel())
-    return recompute_slots(model, cache, candidates[pick], ids[pick], allowed[pick])

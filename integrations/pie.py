@@ -44,9 +44,9 @@ from kvpos._checks import as_token_ids, check_int, fail
 from kvpos.cache import PositionedKV
 from kvpos.edits import Piece, Replace, Strategy, apply_edits, diff_tokens, normalize, plan, stale_slots, widen, \
     with_tail
-from kvpos.integrations.compose import AttentionMassProbe, blend_recompute, recompute_slots
-from kvpos.integrations.hf import MarginWatch, PositionedCache, additive_mask, bind_attention, extend, generate
-from kvpos.integrations.hf.run import cache_kwarg, check_vocab, takes_logits_to_keep
+from kvpos.integrations.repairs import attention_mass, attention_refresh, blend_recompute, recompute_slots  # noqa: F401
+from kvpos.integrations.hf import MarginWatch, PositionedCache, extend, generate
+from kvpos.integrations.hf.run import check_vocab, takes_logits_to_keep
 
 __all__ = ["EditSession", "EditResult", "Completion", "attention_mass"]
 
@@ -107,7 +107,7 @@ class EditSession:
         "pie+k64+tail512"; keyword overrides set its fields: k, tail, ratio, probe). The session moves to the new
         document."""
         asked = Strategy.parse(strategy, **overrides).check(self.layer_types)
-        if asked.repair is not None and self.cache.storage == "int8":
+        if asked.repair is not None and self.cache.mode.quantized:
             fail(f"EditSession strategy {asked}", "no blend / attn repair with storage='int8' (they rewrite slots)",
                  asked.repair, "use k / tail re-encoding, or a session with storage 'rotated' or 'raw'")
         edits = normalize(edits, self.length)
@@ -135,7 +135,7 @@ class EditSession:
                 allowed = torch.arange(cache.num_slots)[None] <= stale[:, None]      # causal over the new document
                 enc += blend_recompute(self.model, cache, stale, new_ids[stale], allowed, strat.ratio)
             elif strat.repair == "attn":
-                enc += _attention_refresh(self.model, cache, stale_slots(pieces), new_ids, strat.ratio, strat.probe)
+                enc += attention_refresh(self.model, cache, stale_slots(pieces), new_ids, strat.ratio, strat.probe)
         dt = time.perf_counter() - t0
         self.ids, self.cache = new_ids, cache
         name = str(strat) if asked.base != "auto" else f"{asked}->{strat}"
@@ -163,7 +163,7 @@ class EditSession:
         """New cache in document order: untouched segments' raw KV (moved by their shift, or left at their old
         positions for naive) and placeholder slots for the new tokens, which ONE forward then encodes in place, each
         new token attending to every slot before it (causal over the new document)."""
-        if (self._sliding or self.cache.storage == "int8") and any(p.kind == "new" for p in pieces):
+        if (self._sliding or self.cache.mode.quantized) and any(p.kind == "new" for p in pieces):
             return self._splice_sequential(pieces, fix_positions)   # (int8 slots are written once, not rewritten)
         old = self.cache
         new = old.empty_like()
@@ -276,47 +276,6 @@ class EditSession:
         gen_kwargs.setdefault("do_sample", False)
         out = generate(self.model, cache, last, positions=pos, max_new_tokens=max_new_tokens, **gen_kwargs)
         return out[0, 1:]
-
-
-def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, ids: torch.Tensor) -> torch.Tensor:
-    """How much the last `n_probe` tokens of the document read each earlier slot: their attention probabilities
-    (causal, over the cache's first N - n_probe slots), averaged over layers, query heads and the probe rows.
-    ids [N] are the document's token ids (slot j = token j at position j). The cache is not changed.
-    Returns [N - n_probe] float32."""
-    N = cache.num_slots
-    if check_int("attention_mass n_probe", n_probe) < 1 or N < 2:
-        fail("attention_mass", "n_probe >= 1 and a cache of at least 2 slots", f"n_probe={n_probe}, {N} slots")
-    q = min(n_probe, N - 1)
-    c = cache.copy()
-    c.keep_(torch.arange(N - q))
-    allowed = torch.arange(N)[None] <= torch.arange(N - q, N)[:, None]                 # [q, N] causal
-    mask = additive_mask(allowed, next(model.parameters()).dtype)[None, None]
-    probe = AttentionMassProbe(N - q)
-    with bind_attention(model, probe):
-        model(input_ids=ids[None, N - q:], position_ids=cache.positions[:, N - q:], attention_mask=mask,
-              use_cache=True, **{cache_kwarg(model.forward): c})
-    if not probe.mass:
-        fail("pie+attn model", "attention calls through kvpos's attention binding", "none")
-    return torch.stack(probe.mass).mean(0)
-
-
-def _attention_refresh(model: torch.nn.Module, cache: PositionedKV, stale: torch.Tensor, ids: torch.Tensor,
-                       ratio: float, n_probe: int) -> int:
-    """pie+attn's repair, in place: re-encode (all layers, one forward, causal over the document) the last n_probe
-    tokens and the `ratio` of the other stale slots [S] that those tokens attend to most. Returns tokens encoded."""
-    N = cache.num_slots
-    q = min(n_probe, N - 1)
-    if stale.numel() == 0 or q < 1:
-        return 0
-    cand = stale[stale < N - q]
-    n_sel = int(round(ratio * cand.numel()))
-    picked = cand if n_sel == cand.numel() else cand[:0]
-    if 0 < n_sel < cand.numel():
-        mass = attention_mass(model, cache, q, ids)
-        picked = cand[torch.topk(mass[cand], n_sel).indices]
-    slots = torch.cat([picked, torch.arange(N - q, N)]).sort().values
-    allowed = torch.arange(N)[None] <= slots[:, None]
-    return recompute_slots(model, cache, slots, ids[slots], allowed)
 
 
 def _append_kept(old: PositionedKV, new: PositionedKV, piece: Piece, fix_positions: bool) -> int:

@@ -27,7 +27,7 @@ from kvpos.prompt import ChatPromptBuilder, PromptParts
 from kvpos.compose import LAYOUTS
 from kvpos.integrations.ape import ApeBackend
 from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
-from kvpos.cache import STORAGES
+from kvpos.cache import storage_mode
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
 __all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "FULL", "PREFIX"]
@@ -66,16 +66,20 @@ class RagMethod:
         if self.layout in ("full", "prefix") and (self.link_k or self.recompute_ratio or self.attn_ratio
                                                   or self.ape is not None):
             fail(f"RagMethod {self.name}", f"no repairs or APE with layout={self.layout!r} (it is exact)", self)
-        if self.storage not in STORAGES:
-            fail(f"RagMethod {self.name} storage", " or ".join(repr(x) for x in STORAGES), repr(self.storage))
-        if self.storage != "rotated" and self.layout == "prefix":
+        storage_mode(self.storage, f"RagMethod {self.name} storage")
+        if not self.mode.keeps_rotated and self.layout == "prefix":
             fail(f"RagMethod {self.name} storage", "'rotated' with layout='prefix' (the exact baseline)",
                  repr(self.storage))
-        if self.storage == "int8" and (self.link_k or self.recompute_ratio or self.attn_ratio or self.ape is not None):
+        if self.mode.quantized and (self.link_k or self.recompute_ratio or self.attn_ratio or self.ape is not None):
             fail(f"RagMethod {self.name}", "no repairs or APE with storage='int8' (they rewrite slots)", self)
         if self.attn_ratio and self.layout != "sequential":
             fail(f"RagMethod {self.name} attn_ratio", "layout='sequential' (re-encoded tokens attend to everything "
                  "before them)", repr(self.layout))
+
+    @property
+    def mode(self):
+        """The storage mode's capabilities (kvpos.cache.StorageMode)."""
+        return storage_mode(self.storage)
 
     @property
     def reuses(self) -> bool:
@@ -171,7 +175,7 @@ class RagPipeline:
         built by `method` from a fresh cache: the first-token distribution is row Q - 1."""
         extra = torch.zeros(0, dtype=torch.long) if extra is None else torch.as_tensor(extra, dtype=torch.long)
         q = torch.cat([parts.question, extra])
-        if not method.reuses and method.storage != "rotated":       # the question on top of the stored prompt
+        if not method.reuses and not method.mode.keeps_rotated:       # the question on top of the stored prompt
             cache = PositionedCache.from_model(self.model, storage=method.storage)
             extend(self.model, cache, torch.cat([parts.anchor, *parts.chunks])[None])
             return extend(self.model, cache, q[None])
@@ -193,7 +197,7 @@ class RagPipeline:
                 cache, logits, reused = self._prefix_request(ids)
             else:
                 cache, reused = PositionedCache.from_model(self.model, storage=method.storage), 0
-                if method.storage == "rotated":
+                if method.mode.keeps_rotated:
                     logits = extend(self.model, cache, ids[None])
                 else:                          # as `score`: the prompt stored, then the question on top of it
                     extend(self.model, cache, ids[None, : ids.numel() - parts.question.numel()])

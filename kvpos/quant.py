@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "quantize_key_groups", "quantize_values", "dequantize_keys", "dequantize_values",
+__all__ = ["GROUP", "int8_codes", "quantize_key_groups", "quantize_values", "dequantize_keys", "dequantize_values",
            "quantize_ref"]
 
 GROUP = 32          # tokens per key scale group (KIVI uses 32-128); also the most tokens the exact tail holds
 
 
-def _codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """round(x / scale) clamped to [-127, 127] as int8 (0 where the scale is 0); x, scale broadcast, float32."""
+def int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """round(x / scale) clamped to [-127, 127] as int8 (0 where the scale is 0); x, scale broadcast, float32 math.
+    The one symmetric int8 rounding core of kvpos: the cache (groups of GROUP tokens), the store's int8 scheme (per
+    channel over a chunk) and the windowed far store (per token) differ only in how they take the scale."""
     s = scale.float()
     return torch.where(s > 0, x.float() / torch.where(s > 0, s, 1.0), 0.0).round_().clamp_(-127, 127).to(torch.int8)
 
@@ -33,14 +35,14 @@ def quantize_key_groups(raw: torch.Tensor, group: int = GROUP) -> tuple[torch.Te
     x = raw.float()
     xp = torch.cat([x, x.new_zeros(B, H, pad, D)], 2) if pad else x          # zeros never widen a group's absmax
     scale = (xp.reshape(B, H, n, group, D).abs().amax(3) / 127.0).to(raw.dtype)
-    codes = _codes(x, scale.repeat_interleave(group, 2)[:, :, :S])
+    codes = int8_codes(x, scale.repeat_interleave(group, 2)[:, :, :S])
     return codes, scale
 
 
 def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v [B, H, S, Dv] -> (codes int8 [B, H, S, Dv], scales [B, H, S, 1] in v's dtype): one scale per token."""
     scale = (v.float().abs().amax(3, keepdim=True) / 127.0).to(v.dtype)
-    return _codes(v, scale), scale
+    return int8_codes(v, scale), scale
 
 
 def dequantize_keys(codes: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,

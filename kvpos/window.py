@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import fail
+from .quant import int8_codes
 from ._kernels import score_int8_kernel, topk_indices, transpose_int8_blocks
 from .rope import RopeSpec, _apply, cos_sin
 
@@ -113,7 +114,7 @@ def quantize_keys(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 keys and float32 per-token absmax scales: raw [..., T, D] -> (q [..., T, D] int8, scale [..., T])."""
     amax = raw.float().abs().amax(-1).clamp_min(1e-12)
     scale = amax / 127.0
-    return torch.round(raw.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+    return int8_codes(raw, scale[..., None]), scale
 
 
 def int8_scores(q: torch.Tensor, kq: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:

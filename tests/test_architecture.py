@@ -150,6 +150,69 @@ def test_importing_the_spec_room_does_not_load_the_transformers_adapter():
     assert hf_imports == ["kvpos.integrations.hf.specs"], hf_imports
 
 
+def _core_private_names() -> set[str]:
+    """Private methods and attributes the core defines (def _x, self._x = ...): what adapters must not touch."""
+    names = set()
+    for p in _py("kvpos"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("_") and not n.name.startswith("__"):
+                names.add(n.name)
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) \
+                    and n.value.id == "self" and n.attr.startswith("_") and not n.attr.startswith("__"):
+                names.add(n.attr)
+    return names
+
+
+def _private_core_access(path: Path, private: set[str]) -> list[str]:
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{n.lineno} .{n.attr}"
+            for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute) and n.attr in private]
+
+
+def test_engine_adapters_use_only_public_names_of_the_core():
+    """integrations/ drives the cache through its public protocol (write_rotated_, running_forward, sync_count,
+    check_idle, ...), never through a private method or attribute of kvpos/ (self._x included: subclasses too)."""
+    private = _core_private_names()
+    bad = [b for p in _py("integrations") for b in _private_core_access(p, private)]
+    assert not bad, f"private names of the core used by integrations/: {bad}"
+
+
+def test_the_private_access_check_can_fail(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("def f(cache):\n    cache._rerotate(0, 1)\n    return cache.table._pos\n")
+    assert len(_private_core_access(f, _core_private_names())) == 2
+
+
+_MODE_NAMES = frozenset({"rotated", "raw", "int8"})
+
+
+def _storage_string_tests(path: Path) -> list[str]:
+    """Comparisons of a storage-mode string (x.storage == "raw", storage in STORAGES, ...): outside
+    kvpos/cache/storages.py code asks a StorageMode's capabilities instead."""
+    src = path.read_text()
+    bad = []
+    for n in ast.walk(ast.parse(src)):
+        if not isinstance(n, ast.Compare):
+            continue
+        sides = [n.left, *n.comparators]
+        text = " ".join(ast.get_source_segment(src, s) or "" for s in sides)
+        consts = {s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)}
+        if "storage" in text.lower() and (consts & _MODE_NAMES or "STORAGES" in text):
+            bad.append(f"{path.name}:{n.lineno}")
+    return bad
+
+
+def test_no_storage_mode_string_test_outside_the_factory():
+    bad = [b for folder in ("kvpos", "integrations") for p in _py(folder) if p.name != "storages.py"
+           for b in _storage_string_tests(p)]
+    assert not bad, f"storage-mode string comparisons (use cache.mode / StorageMode capabilities): {bad}"
+
+
+def test_the_storage_string_check_can_fail(tmp_path):
+    f = tmp_path / "s.py"
+    f.write_text("def f(c, storage):\n    return c.storage == 'raw' or storage not in STORAGES or c.mode.quantized\n")
+    assert _storage_string_tests(f) == ["s.py:2", "s.py:2"]        # both comparisons, not the capability
+
+
 MAX_LINES = 500     # one room, one job: a library file past this has two jobs (C sources aside)
 
 

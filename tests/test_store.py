@@ -299,6 +299,7 @@ def test_a_float_store_reads_int8_entries_and_an_int8_store_reads_float_entries(
 
 def _resigned(blob: bytes, edit) -> bytes:
     """A re-signed entry: parse, let `edit` change tensors / metadata, recompute the checksum, save."""
+    from safetensors import safe_open
     from safetensors.torch import load, save
     from kvpos.store import _checksum
     import tempfile

@@ -158,7 +158,7 @@ class RawRead:
             why = "values other than those the cache returned (the architecture changes them before attention)"
         if why is not None:
             _RAW.set(None)
-            self.cache._drop_tail_(self.n0)
+            self.cache.drop_tail_(self.n0)
             fail(f"PositionedCache(storage={self.cache.storage!r}) layer {self.layer}: raw-key hand-off",
                  "the attention call receiving the raw keys and values the cache returned, once", why,
                  "build the cache with read='torch' (keys rotated into a buffer: exact for every architecture)")
@@ -221,7 +221,7 @@ def _raw_attention(read: RawRead, module: torch.nn.Module, query: torch.Tensor, 
                                  _additive_mask(attention_mask, cache.layers[read.layer].n), sm)
         why = None if out is not None else "the kernel cannot serve these tensors (kvpos._kernels.kernel_status())"
     if out is None and read.strict:
-        read.cache._drop_tail_(read.n0)
+        read.cache.drop_tail_(read.n0)
         fail(f"PositionedCache(read='fused') layer {read.layer}", "a decode attention call the fused raw-key "
              "kernel serves", why, "use read='auto' (rotate into a buffer where the kernel cannot serve)")
     if out is None:

@@ -82,7 +82,7 @@ class PositionedCache(PositionedKV, Cache):
             fail("PositionedCache offloading", "a bool", type(offloading).__name__, exc=TypeError)
         if read not in READS:
             fail("PositionedCache read", " or ".join(repr(r) for r in READS), repr(read))
-        if read == "fused" and storage == "rotated":
+        if read == "fused" and self.mode.keeps_rotated:
             fail("PositionedCache read", "'auto' or 'torch' with storage='rotated' (only raw keys are read by the "
                  "fused kernel)", repr(read), "pass storage='raw' or 'int8' with read='fused'")
         self.read = read
@@ -95,7 +95,7 @@ class PositionedCache(PositionedKV, Cache):
         self._limited = any(s.max_exact_position is not None for s in self.specs)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> PositionedLayer:
-        cls = PositionedQuantLayer if self.storage == "int8" else PositionedLayer
+        cls = PositionedQuantLayer if self.mode.quantized else PositionedLayer
         return cls(self, index, spec, self.raw_dtype, self.storage, self.capacity)
 
     def empty_like(self) -> "PositionedCache":
@@ -110,11 +110,11 @@ class PositionedCache(PositionedKV, Cache):
         for i, l in enumerate(self.layers):
             yield self.layer_keys(i), l.values, None
 
-    def _check_idle(self, op: str) -> int:
+    def check_idle(self, op: str) -> int:
         if self.offloading:
             for l in self.layers:
                 l.prefetch()
-        return PositionedKV._check_idle(self, op)
+        return PositionedKV.check_idle(self, op)
 
     def __bool__(self) -> bool:
         """False for a model whose RoPE frequencies change with length (dynamic, longrope): transformers' Phi-3
@@ -134,7 +134,7 @@ class PositionedCache(PositionedKV, Cache):
         origin = _install_forward_hook(model)
         out = cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
                   storage=storage, capacity=capacity, read=read)
-        if storage != "rotated" and read != "torch":
+        if not out.mode.keeps_rotated and read != "torch":
             impl = getattr(model.config, "_attn_implementation", None)
             if impl in ("sdpa", "kvpos"):
                 switch_to_kvpos(model)
@@ -194,13 +194,13 @@ class PositionedCache(PositionedKV, Cache):
             return self._update_traced(key_states, value_states, layer_idx, kwargs)
         if self.offloading:
             self.layers[layer_idx].prefetch()
-        fw = self._forward
+        fw = self.running_forward
         B, S = key_states.shape[0], key_states.shape[2]
-        if fw is not None and layer_idx not in fw.done and self._overwrite is None and fw.S == S:
+        if fw is not None and layer_idx not in fw.done and self.running_overwrite is None and fw.S == S:
             pos = fw.pos                                     # a later layer of the running forward
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx, kwargs))
-        if handoff and self.storage != "rotated" and self.read != "torch" and S == 1 and self._overwrite is None:
+        if handoff and not self.mode.keeps_rotated and self.read != "torch" and S == 1 and self.running_overwrite is None:
             out = self._update_raw_read(layer_idx, key_states, value_states, pos)
         else:
             out = self.write_rotated_(layer_idx, key_states, value_states, pos)
@@ -217,7 +217,7 @@ class PositionedCache(PositionedKV, Cache):
                  "or torch.inference_mode() around it (a cache serves inference)", "grad enabled and keys "
                  "requiring grad", "wrap the compiled decode in torch.no_grad()")
         S = k.shape[2]
-        slots = None if self._overwrite is None else self._overwrite.slots
+        slots = None if self.running_overwrite is None else self.running_overwrite.slots
         with torch.no_grad():
             keys, values = self._update(k.detach(), v.detach(), layer_idx, kwargs, handoff=False)
             keys, values = keys.clone(), values.clone()
@@ -260,7 +260,7 @@ class PositionedCache(PositionedKV, Cache):
         self._check_handoff_taken(layer_idx)
         n0 = self.layers[layer_idx].n
         keys, values = self.write_rotated_(layer_idx, k, v, pos, hand_raw=True)
-        hand_raw_keys(RawRead(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self._handout,
+        hand_raw_keys(RawRead(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self.handout,
                               self.read == "fused", values.data_ptr(), self._model_modules()))
         return keys, values
 
@@ -275,11 +275,11 @@ class PositionedCache(PositionedKV, Cache):
         """The raw keys handed to an earlier layer of the running forward must have been read by its attention
         (else that layer attended to something else: refuse before going on)."""
         read = pending_raw_read()
-        fw = self._forward
+        fw = self.running_forward
         if read is None or read.calls or read.cache_ref() is not self or fw is None or read.n0 != fw.n0 \
                 or read.layer == layer_idx:
             return
-        self._drop_tail_(fw.n0)
+        self.drop_tail_(fw.n0)
         fail(f"PositionedCache(storage={self.storage!r}) layer {read.layer}: raw-key hand-off",
              "the layer's attention reading the raw keys the cache returned", "no 'kvpos' attention call took them",
              "build the cache with read='torch' (keys rotated into a buffer: exact for every architecture)")
@@ -289,14 +289,14 @@ class PositionedCache(PositionedKV, Cache):
         """`update` inside torch.compile: only Python the compiler traces without a graph break (no context
         variable, no tensor value read on the host). What the eager path checks from data it checks from shapes;
         what it cannot check it refuses at trace time (an error, never a silent difference)."""
-        fw = self._forward
-        if fw is not None and layer_idx not in fw.done and self._overwrite is None and fw.S == key_states.shape[2]:
+        fw = self.running_forward
+        if fw is not None and layer_idx not in fw.done and self.running_overwrite is None and fw.S == key_states.shape[2]:
             pos = fw.pos
         else:
             if self.offloading:
                 fail("PositionedCache(offloading=True) under torch.compile", "an eager forward (layers move "
                      "between devices between calls)", "a compiled forward", "build the cache with offloading=False")
-            if self._overwrite is not None:
+            if self.running_overwrite is not None:
                 fail("cache.overwriting(...) under torch.compile", "an eager recompute forward", "a compiled one",
                      "run partial recomputation (edits, repairs) without torch.compile")
             if self._limited:
@@ -318,7 +318,7 @@ class PositionedCache(PositionedKV, Cache):
         note = _FORWARD.get()
         if note is not None:
             _FORWARD.set(None)
-        if self.origin is None or (note is None and self._overwrite is not None):
+        if self.origin is None or (note is None and self.running_overwrite is not None):
             return note                    # recompute forwards: the first layer consumed and checked the note
         if note is None and _direct_positions(kwargs):
             return None
@@ -342,12 +342,12 @@ class PositionedCache(PositionedKV, Cache):
     def _refuse_compile_fallback(self, index: int) -> None:
         """No forward note: the usual cause is a torch.compile'd forward whose traced update refused and fell back
         to eager here (the rotary hook records nothing under compile). Name the refusal the trace could not raise."""
-        if self.storage == "int8":
+        if self.mode.quantized:
             fail(f"cache.update layer {index}", "an eager forward (storage='int8' is not compiled: its quantized "
                  "writes run eagerly only)", "a forward with no eager rotary-module call (torch.compile)",
                  "decode storage='int8' eagerly, or compile with storage='raw' or 'rotated'")
         if self.capacity is not None:
-            self._sync_count()
+            self.sync_count()
             if self.table.n + 1 > self.capacity:
                 fail(f"cache.update layer {index}", f"at most {self.capacity} slots (the fixed capacity)",
                      f"a forward after {self.table.n} slots (a compiled decode past the capacity)",
@@ -360,8 +360,8 @@ class PositionedCache(PositionedKV, Cache):
         pos = _passed_positions(kwargs)
         if pos is None and note is not None:
             pos = note.positions
-        if pos is None and self._overwrite is not None and self._overwrite.pos is not None:
-            pos = self._overwrite.pos                        # a later layer of a recompute forward
+        if pos is None and self.running_overwrite is not None and self.running_overwrite.pos is not None:
+            pos = self.running_overwrite.pos                        # a later layer of a recompute forward
         if pos is None:
             fail(f"cache.update layer {index}: position_ids", "the positions of the new keys (passed by the model "
                  "or recorded from its rotary module)", None, _NO_POSITIONS_FIX)
@@ -378,11 +378,11 @@ class PositionedCache(PositionedKV, Cache):
         """T; inside a compiled forward of a fixed-capacity cache the slot count tensor (as StaticCache returns)."""
         if self.capacity is not None and torch.compiler.is_compiling():
             return self.table.count
-        self._settle()
+        self.settle()
         return self.layers[layer_idx].n if layer_idx < len(self.layers) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        self._settle()
+        self.settle()
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -49,8 +49,8 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
         """[B, H, T, D] keys at their current positions (storage="raw": rotated on read, see layer_keys)."""
-        self._owner._sync_count()
-        if self.storage == "rotated":
+        self._owner.sync_count()
+        if self.mode.keeps_rotated:
             return None if self.rot_k is None else self.rot_k[:, :, : self.n]
         return self._owner.layer_keys(self.index)
 
@@ -65,13 +65,13 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     @property
     def raw_keys(self) -> torch.Tensor | None:  # type: ignore[override]
         """[B, H, T, D] keys before RoPE."""
-        self._owner._sync_count()
+        self._owner.sync_count()
         return None if self.raw_k is None else self.raw_k[:, :, : self.n]
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
         """[B, H, T, D] values."""
-        self._owner._sync_count()
+        self._owner.sync_count()
         return None if self.v is None else self.v[:, :, : self.n]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -97,7 +97,7 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         return (self.fixed if self.fixed is not None else self.n + query_length), 0
 
     def get_seq_length(self) -> int:
-        self._owner._sync_count()
+        self._owner.sync_count()
         return self.n
 
     def get_max_length(self) -> int:

@@ -36,18 +36,18 @@ def _tree_flatten(cache: PositionedCache) -> tuple[list[torch.Tensor], _TreeCont
              "export with PositionedCache.from_model(model); a fixed capacity's slot count is not a tensor size")
     if cache.offloading:
         fail("torch.export of a PositionedCache", "offloading=False", "offloading=True")
-    if cache.storage == "int8":
+    if cache.mode.quantized:
         fail("torch.export of a PositionedCache", "storage 'rotated' or 'raw'", "storage='int8'",
              "quantized storage runs eagerly only")
     leaves: list[torch.Tensor] = []
     for l in cache.layers:
         if l.allocated:
             leaves += [b[:, :, : l.n] for b in l.buffers()]
-    t = cache.table
-    if t._pos is not None:
-        leaves += [t._pos[:, : t.n], t._vis[:, : t.n], t._seg[:, : t.n]]
+    table = cache.table.valid_buffers()
+    if table is not None:
+        leaves += list(table)
     ctx = _TreeContext(type(cache), cache.storage, cache.raw_dtype, tuple(s.key() for s in cache.specs),
-                       tuple(l.key_dtype if l.allocated else None for l in cache.layers), t._pos is not None,
+                       tuple(l.key_dtype if l.allocated else None for l in cache.layers), table is not None,
                        tuple(cache.specs), cache.origin, cache.model_id)
     return leaves, ctx
 
@@ -58,12 +58,10 @@ def _tree_unflatten(leaves: Any, ctx: _TreeContext) -> PositionedCache:
     it = iter(list(leaves))
     for l, key_dtype in zip(cache.layers, ctx.layers):
         if key_dtype is not None:
-            l.set_buffers([next(it) for _ in l._names])
+            l.set_buffers([next(it) for _ in l.buffer_names])
             l.key_dtype, l.n = key_dtype, l.v.shape[2]
     if ctx.table:
-        t = cache.table
-        t._pos, t._vis, t._seg = next(it), next(it), next(it)
-        t.n = t._pos.shape[1]
+        cache.table.adopt_(next(it), next(it), next(it))
     return cache
 
 

@@ -63,7 +63,7 @@ def _check_ids(what: str, ids: Any, cache: PositionedKV) -> torch.Tensor:
     B = cache.batch_size
     if B > 0 and ids.shape[0] != B:
         fail(what, f"batch {B} (the cache's)", ids.shape[0])
-    cache._check_idle(what)
+    cache.check_idle(what)
     return ids.long()
 
 
@@ -115,7 +115,7 @@ def extend(model: torch.nn.Module, cache: PositionedKV, ids: torch.Tensor, posit
     ids = _check_ids("extend ids", ids, cache)
     check_vocab("extend ids", model, ids)
     pos = _new_positions(cache, ids, positions)
-    cache._check_new_positions(pos, "extend positions")
+    cache.check_new_positions(pos, "extend positions")
     T = cache.num_slots
     if attention_mask is None:
         mask = cache.attention_mask(ids.shape[1]).to(ids.device)
@@ -153,7 +153,7 @@ def generate(model: torch.nn.Module, cache: PositionedKV, new_ids: torch.Tensor,
         if cache.num_slots == 0 and positions is None:
             return model.generate(new_ids, **{cache_kwarg(model.forward): cache}, **gen_kwargs)
         pos = _new_positions(cache, new_ids, positions)
-        cache._check_new_positions(pos, "generate positions")
+        cache.check_new_positions(pos, "generate positions")
         mask = gen_kwargs.pop("attention_mask", None)
         full = cache.attention_mask(new_ids.shape[1]).to(new_ids.device)
         if mask is not None:

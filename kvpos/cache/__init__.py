@@ -34,14 +34,16 @@ Rooms:
                 overwriting()
   positions.py  shift / set / delete / keep / hide / segment operations
   structure.py  append stored raw KV, reserve, copy, concat, from_rotated, crop, reorder rows, reset
+  storages.py   StorageMode: each storage mode's capabilities; storage_mode() resolves storage= once
   kv.py         PositionedKV: construction, properties, validation; composes the four operation mixins
 """
 from __future__ import annotations
 
-from .buffers import GROWTH, MAX_POSITION, SEGMENT_RANGE, STORAGES
+from .buffers import GROWTH, MAX_POSITION, SEGMENT_RANGE
 from .kv import PositionedKV
 from .layers import QuantSlotLayer, SlotLayer
+from .storages import INT8, RAW, ROTATED, STORAGE_MODES, STORAGES, StorageMode, storage_mode
 from .table import SlotTable
 
 __all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
-           "STORAGES"]
+           "STORAGES", "StorageMode", "storage_mode", "STORAGE_MODES", "ROTATED", "RAW", "INT8"]

@@ -80,7 +80,6 @@ def _regrow(bufs: Sequence[torch.Tensor], dim: int, cap: int, valid: int, fixed:
     return new
 
 
-STORAGES = ("rotated", "raw", "int8")
 
 
 def _grown_tight(old_cap: int, need: int) -> int:

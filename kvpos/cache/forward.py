@@ -49,18 +49,18 @@ class _ForwardWrites:
         Inside `overwriting(slots)` the S tokens replace existing slots instead (positions must match).
         hand_raw (storage="raw" only): return the RAW keys instead, for an attention that rotates them itself (a
         fused kernel); `raw_read()` then gives their cos/sin. The caller must guarantee that reader."""
-        if self._overwrite is not None:
+        if self.running_overwrite is not None:
             return self._overwrite_layer(index, k_rot, v, pos)
         if self.capacity is not None and torch.compiler.is_compiling():
             return self._write_counted(index, k_rot, v, pos)
-        layer, fw = self.layers[index], self._forward
+        layer, fw = self.layers[index], self.running_forward
         if fw is not None and index in fw.done:      # the previous forward never finished (it raised): undo it
             self._rollback_forward()
             fw = None
         S = k_rot.shape[2]
         if fw is None:
             self._check_forward_start(index, k_rot, pos)
-            fw = self._forward = _Forward(self.table.n, S, pos)
+            fw = self.running_forward = _Forward(self.table.n, S, pos)
             self.table.append(pos)
         elif S != fw.S or layer.n != fw.n0:
             fail(f"write layer {index}", f"{fw.S} new slots after {fw.n0} (what earlier layers of this forward "
@@ -71,12 +71,12 @@ class _ForwardWrites:
             cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
         fw.marks[index] = layer.mark()
-        layer.append(k_rot if layer.storage == "rotated" else None, v, raw)
+        layer.append(k_rot if layer.mode.keeps_rotated else None, v, raw)
         values = None
-        if layer.storage != "rotated" and hand_raw:
-            self._handout = self._read_state()       # the forward's cos/sin, shared by its layers
+        if not layer.mode.keeps_rotated and hand_raw:
+            self.handout = self._read_state()       # the forward's cos/sin, shared by its layers
             keys, values = layer.raw_k[:, :, : layer.n], layer.v[:, :, : layer.n]   # (int8: the codes)
-        elif layer.storage != "rotated":
+        elif not layer.mode.keeps_rotated:
             keys = self._rotate_on_read(index, (fw.n0, k_rot))
             values = self._values_on_read(index, (fw.n0, v))
         elif self.capacity is not None:
@@ -85,7 +85,7 @@ class _ForwardWrites:
             keys = layer.rot_k[:, :, : layer.n]
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
-            self._forward = None                    # committed (the scratch goes with it)
+            self.running_forward = None                    # committed (the scratch goes with it)
             self._committed = (fw.n0, fw.marks)
         if values is None:
             values = layer.v[:, :, : self.capacity] if self.capacity is not None else layer.values
@@ -97,8 +97,8 @@ class _ForwardWrites:
         tensor count, so the graph reads no Python slot count (static shapes and no guard on the count: one graph for
         every decode step, as transformers' StaticCache), and only rotated keys and values are written (StaticCache's
         work); the raw keys of these slots are un-rotated from them, and `n` re-synced, by the next eager access
-        (`_sync_count`). Checks are by shape."""
-        layer, fw = self.layers[index], self._forward
+        (`sync_count`). Checks are by shape."""
+        layer, fw = self.layers[index], self.running_forward
         S = k_rot.shape[2]
         if fw is None:
             if k_rot.dim() != 4 or k_rot.shape[-1] != layer.spec.head_dim or tuple(pos.shape) != (k_rot.shape[0], S):
@@ -106,15 +106,15 @@ class _ForwardWrites:
                      f"{tuple(k_rot.shape)} / {tuple(pos.shape)}")
             if self.table._pos is not None and k_rot.shape[0] != self.table.batch_size:
                 fail(f"write layer {index}: keys", f"batch {self.table.batch_size}", k_rot.shape[0])
-            fw = self._forward = _Forward(-1, S, pos)
+            fw = self.running_forward = _Forward(-1, S, pos)
             fw.at = self.table.append_counted(pos)
         layer.write_at(fw.at, k_rot, v)
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
-            self._forward = None
+            self.running_forward = None
         return layer.rot_k[:, :, : self.capacity], layer.v[:, :, : self.capacity]
 
-    def _sync_count(self) -> None:
+    def sync_count(self) -> None:
         """Fixed capacity: take in the slots compiled forwards appended (their count is a tensor): un-rotate their
         raw keys from the rotated keys they wrote (the write path's own un-rotation, deferred), then the counts."""
         t = self.table
@@ -140,7 +140,7 @@ class _ForwardWrites:
                 or tuple(pos.shape) != (k_rot.shape[0], k_rot.shape[2]):
             fail(f"write layer {index}: positions", f"int64 [B, S]={(k_rot.shape[0], k_rot.shape[2])}",
                  f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
-        n = self._check_idle(f"write layer {index}")
+        n = self.check_idle(f"write layer {index}")
         l = self.layers[index]
         if k_rot.dim() != 4 or k_rot.shape[-1] != l.spec.head_dim:
             fail(f"write layer {index}: keys", f"[B, H, S, D={l.spec.head_dim}]", tuple(k_rot.shape))
@@ -152,11 +152,11 @@ class _ForwardWrites:
         if not torch.compiler.is_compiling():
             # reading position values would split a compiled forward; traced forwards take the positions the model
             # rotated its keys with (PositionedCache refuses models whose RoPE has an exact-range limit there)
-            self._check_new_positions(pos, f"write layer {index}: positions")
+            self.check_new_positions(pos, f"write layer {index}: positions")
 
     def _rollback_forward(self) -> None:
-        fw = self._forward
-        self._forward = None
+        fw = self.running_forward
+        self.running_forward = None
         if fw.n0 < 0:                                # a counted (compiled, fixed-capacity) forward: undo its count
             self.table.count.fill_(self.table.n)
             return
@@ -164,12 +164,12 @@ class _ForwardWrites:
             self.layers[i].restore(fw.marks[i])
         self.table.truncate(fw.n0)
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Undo a forward that raised part way (some layers written, not all); take in what compiled forwards of a
         fixed-capacity cache wrote (their slot count is a tensor); no-op otherwise."""
-        if self._forward is not None:
+        if self.running_forward is not None:
             self._rollback_forward()
-        self._sync_count()
+        self.sync_count()
 
     @contextlib.contextmanager
     def appending(self) -> Iterator[None]:
@@ -177,7 +177,7 @@ class _ForwardWrites:
         for engine calls (a forward, a generate loop). Appends, batch-row changes and crops are free; the first
         write inside the block to a slot that existed at entry (a crop below the entry length followed by an append,
         a position or structure operation) copies the buffers first (copy-on-write)."""
-        n = self._check_idle("appending")
+        n = self.check_idle("appending")
         table = self.table
         saved_table = (table._pos, table._vis, table._seg, table.n)
         saved_layers = [l.snapshot() for l in self.layers]
@@ -186,7 +186,7 @@ class _ForwardWrites:
         try:
             yield
         except BaseException:
-            self._forward = None
+            self.running_forward = None
             self.table = table
             table._pos, table._vis, table._seg, table.n = saved_table
             for l, snap in zip(self.layers, saved_layers):
@@ -209,17 +209,17 @@ class _ForwardWrites:
         """Within the block, forwards write their S tokens into the existing `slots` [S] (in order) instead of
         appending: the recompute step of link / selective repairs. Positions must equal what the slots hold. On an
         exception every overwritten slot gets its old keys and values back (cache: modified in place)."""
-        n = self._check_idle("overwriting")
-        if self.storage == "int8":
+        n = self.check_idle("overwriting")
+        if self.mode.quantized:
             fail("overwriting", "a cache whose slots can be rewritten (storage 'rotated' or 'raw')",
                  "storage='int8' (quantized slots are written once)",
                  "recompute repairs (link-k, selective, PIE re-encode) need storage='raw' or 'rotated'")
         idx = check_slot_index("overwriting slots", slots, n)
-        if self._overwrite is not None:
+        if self.running_overwrite is not None:
             fail("overwriting", "no overwrite already in progress", "a nested overwriting() block")
         if idx.numel():
             self._unshare_below(int(idx.min()))
-        self._overwrite = ow = _Overwrite(idx)
+        self.running_overwrite = ow = _Overwrite(idx)
         try:
             yield
         except BaseException:
@@ -231,11 +231,11 @@ class _ForwardWrites:
                 l.raw_k[:, :, idx.to(d)], l.v[:, :, idx.to(d)] = raw, v
             raise
         finally:
-            self._overwrite = None
+            self.running_overwrite = None
 
     def _overwrite_layer(self, index: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        ow, l = self._overwrite, self.layers[index]
+        ow, l = self.running_overwrite, self.layers[index]
         if ow.slots.numel() != k.shape[2]:
             fail(f"write layer {index} (overwrite)", f"{ow.slots.numel()} tokens for the chosen slots", k.shape[2])
         held = self.table.pos[:, ow.slots.to(self.table.pos.device)]
@@ -245,7 +245,7 @@ class _ForwardWrites:
         cos, sin = cos_sin(pos, l.spec, device=k.device)
         raw = _apply(k, cos[:, None], -sin[:, None], l.spec, 1.0 / l.spec.attention_scaling)
         idx = ow.slots.to(l.v.device)
-        rotated = l.storage == "rotated"
+        rotated = l.mode.keeps_rotated
         if index not in ow.saved:
             ow.saved[index] = (l.rot_k[:, :, idx].clone() if rotated else None, l.raw_k[:, :, idx].clone(),
                                l.v[:, :, idx].clone())

@@ -8,8 +8,9 @@ from typing import Sequence
 import torch
 
 from .._checks import check_int, check_range, fail
+from .storages import storage_mode
 from ..rope import RopeSpec, _apply_many, cos_sin
-from .buffers import MAX_POSITION, STORAGES, _grown, _grown_tight
+from .buffers import MAX_POSITION, _grown, _grown_tight
 from .forward import _Forward, _ForwardWrites, _Overwrite
 from .layers import QuantSlotLayer, SlotLayer
 from .positions import _PositionOps
@@ -42,19 +43,19 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         allocated once at that size, zero-filled, never regrown; attention receives all `capacity` slots and the
         mask hides the unused ones: static shapes for torch.compile(fullgraph=True), like transformers'
         StaticCache); None (default) grows as needed."""
-        if storage not in STORAGES:
-            fail(f"{type(self).__name__} storage", " or ".join(repr(x) for x in STORAGES), repr(storage))
+        mode = storage_mode(storage, f"{type(self).__name__} storage")
         if capacity is not None:
             capacity = check_int(f"{type(self).__name__} capacity", capacity)
             if capacity < 1:
                 fail(f"{type(self).__name__} capacity", "None or an int >= 1 (slots)", capacity)
-            if storage != "rotated":
+            if not mode.fixed_capacity:
                 fail(f"{type(self).__name__} capacity", f"None with storage={storage!r} (rotate-on-read has no "
                      "fixed-capacity mode)", capacity, "use storage='rotated' for a fixed-capacity cache")
-        if storage == "int8" and raw_dtype is not None:
+        if mode.quantized and raw_dtype is not None:
             fail(f"{type(self).__name__} raw_dtype", "None with storage='int8' (keys are stored as int8 codes)",
                  raw_dtype)
-        self.storage = storage
+        self.mode = mode                    # what the storage holds and can do (kvpos.cache.storages)
+        self.storage = mode.name
         self.capacity = capacity
         if isinstance(specs, RopeSpec) or not isinstance(specs, (list, tuple)) or not specs:
             fail(f"{type(self).__name__} specs", "a non-empty list with one RopeSpec per layer",
@@ -69,21 +70,21 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         self.origin = origin
         self.layers: list[SlotLayer] = [self._new_layer(i, s) for i, s in enumerate(specs)]
         self.table = self._new_table()
-        self._forward: _Forward | None = None
-        self._overwrite: _Overwrite | None = None
+        self.running_forward: _Forward | None = None
+        self.running_overwrite: _Overwrite | None = None
         self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
-        self._handout: _ReadState | None = None           # read state of the last write that handed out raw keys
+        self.handout: _ReadState | None = None           # read state of the last write that handed out raw keys
         self._committed: tuple[int, dict] | None = None     # (n0, layer marks) of the last committed forward
         # slots [0, _shared) are shared with the snapshot of a running appending() block: an in-place write there
         # first copies the buffers (copy-on-write), so that the block's rollback finds them as they were
         self._shared = 0
 
     def _new_table(self) -> SlotTable:
-        return SlotTable(self.capacity, _grown if self.storage == "rotated" else _grown_tight)
+        return SlotTable(self.capacity, _grown if self.mode.keeps_rotated else _grown_tight)
 
     def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
         """The storage object of layer `index` (engine adapters return their protocol subclass)."""
-        cls = QuantSlotLayer if self.storage == "int8" else SlotLayer
+        cls = QuantSlotLayer if self.mode.quantized else SlotLayer
         return cls(spec, self.raw_dtype, self.storage, self.capacity)
 
     @property
@@ -94,31 +95,31 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
     @property
     def num_slots(self) -> int:
         """T, the number of cached slots (hidden ones included)."""
-        self._settle()
+        self.settle()
         return self.table.n
 
     @property
     def batch_size(self) -> int:
         """B, or -1 for a cache that never held a slot."""
-        self._settle()
+        self.settle()
         return self.table.batch_size
 
     @property
     def positions(self) -> torch.Tensor:
         """[B, T] int64 copy of the slot positions."""
-        self._settle()
+        self.settle()
         return self.table.pos.clone()
 
     @property
     def visible(self) -> torch.Tensor:
         """[B, T] bool copy: False where a slot is hidden."""
-        self._settle()
+        self.settle()
         return self.table.visible.clone()
 
     @property
     def segments(self) -> torch.Tensor:
         """[B, T] int32 copy of the slot labels."""
-        self._settle()
+        self.settle()
         return self.table.segment.clone()
 
     @property
@@ -128,7 +129,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
 
     def next_position(self) -> torch.Tensor:
         """[B] int64: one past the largest position of a visible slot per row (0 for an empty row)."""
-        self._settle()
+        self.settle()
         t = self.table
         if t.n == 0:
             return torch.zeros(max(t.batch_size, 1), dtype=torch.long)
@@ -137,7 +138,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
 
     def attention_mask(self, new_tokens: int = 0) -> torch.Tensor:
         """[B, T + new_tokens] int64 2-D mask for an engine: 1 = attend, 0 = hidden slot."""
-        self._settle()
+        self.settle()
         vis = self.table.visible.long()
         if new_tokens:
             vis = torch.cat([vis, vis.new_ones(vis.shape[0], new_tokens)], 1)
@@ -149,7 +150,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
 
     def raw_kv(self, start: int = 0, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (raw_keys [B, H, S, D], values [B, H, S, D]) of slots [start, end): copies, safe to keep."""
-        n = self._check_idle("raw_kv")
+        n = self.check_idle("raw_kv")
         end = n if end is None else end
         start, end = check_range("raw_kv", start, end, n)
         if n == 0:
@@ -157,7 +158,10 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         return [l.read_raw(start, end, copy=True) for l in self.layers]
 
     def rotated_keys(self, layer: int) -> torch.Tensor:
-        """[B, H, T, D] keys of `layer` as attention sees them (see `layer_keys`)."""
+        """Deprecated alias of `layer_keys` (one name, one meaning): [B, H, T, D] keys as attention sees them."""
+        import warnings
+
+        warnings.warn("PositionedKV.rotated_keys is deprecated: use layer_keys", DeprecationWarning, stacklevel=2)
         return self.layer_keys(layer)
 
     def layer_keys(self, index: int) -> torch.Tensor | None:
@@ -165,7 +169,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         (storage="rotated"), or rotated on read from the raw keys into a scratch buffer (storage="raw": valid until
         the next layer is read in the same forward; outside a forward a fresh tensor)."""
         l = self.layers[index]
-        if l.storage == "rotated" or not l.allocated:
+        if l.mode.keeps_rotated or not l.allocated:
             return l.rot_k[:, :, : l.n] if l.allocated else None
         return self._rotate_on_read(index)
 
@@ -174,14 +178,14 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         l = self.layers[index]
         if not l.allocated or keys.shape[2] != l.n:
             return False
-        if l.storage == "rotated":
+        if l.mode.keeps_rotated:
             return keys.data_ptr() == l.rot_k.data_ptr()
         return self._last_read == (index, keys.data_ptr())
 
     # -- validation helpers ----------------------------------------------------------------------------------------
-    def _check_idle(self, op: str) -> int:
+    def check_idle(self, op: str) -> int:
         """Settle an interrupted forward; all layers must hold the table's slots. Returns T."""
-        self._settle()
+        self.settle()
         n = self.table.n
         for i, l in enumerate(self.layers):
             if l.n != n:
@@ -196,7 +200,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
             groups.setdefault(id(l.spec), (l.spec, []))[1].append(i)
         return groups
 
-    def _check_new_positions(self, pos: torch.Tensor, what: str) -> None:
+    def check_new_positions(self, pos: torch.Tensor, what: str) -> None:
         """Positions must be >= 0, below MAX_POSITION and within every spec's exact range."""
         if pos.numel():
             lo, hi = int(pos.min()), int(pos.max())
@@ -209,7 +213,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
 
     def _rerotate(self, start: int, end: int) -> None:
         """Recompute rot_k of slots [start, end) from raw_k, every layer; cos/sin computed once per distinct spec."""
-        if end <= start or self.storage != "rotated" or not self.layers[0].allocated:
+        if end <= start or not self.mode.keeps_rotated or not self.layers[0].allocated:
             return
         pos = self.table.pos[:, start:end]
         for spec, idx in self._groups().values():

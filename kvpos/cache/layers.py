@@ -8,6 +8,7 @@ import torch
 
 from .._checks import fail
 from ..quant import GROUP, dequantize_keys, dequantize_values, quantize_key_groups, quantize_values
+from .storages import storage_mode
 from ..rope import RopeSpec
 from .buffers import _OVERFLOW, _alloc, _dynamic_capacity, _grown, _grown_tight, _regrow, _sized, _static_buffer
 
@@ -23,7 +24,8 @@ class SlotLayer:
                  fixed: int | None = None) -> None:
         self.spec = spec
         self.raw_dtype = raw_dtype
-        self.storage = storage
+        self.mode = storage_mode(storage, "SlotLayer storage")
+        self.storage = self.mode.name
         self.fixed = fixed          # a fixed capacity C (buffers allocated once, zero-filled, never regrown), or None
         self.raw_k: torch.Tensor | None = None
         self.rot_k: torch.Tensor | None = None
@@ -33,14 +35,14 @@ class SlotLayer:
         self.room = 0               # slots the first allocation makes room for at least (reserve_ before any slot)
 
     @property
-    def _names(self) -> tuple[str, ...]:
-        return ("rot_k", "raw_k", "v") if self.storage == "rotated" else ("raw_k", "v")
+    def buffer_names(self) -> tuple[str, ...]:
+        return ("rot_k", "raw_k", "v") if self.mode.keeps_rotated else ("raw_k", "v")
 
     def buffers(self) -> list[torch.Tensor | None]:
-        return [getattr(self, n) for n in self._names]
+        return [getattr(self, n) for n in self.buffer_names]
 
     def set_buffers(self, bufs: Sequence[torch.Tensor | None]) -> None:
-        for n, b in zip(self._names, bufs):
+        for n, b in zip(self.buffer_names, bufs):
             setattr(self, n, b)
 
     @property
@@ -52,7 +54,7 @@ class SlotLayer:
     def keys(self) -> torch.Tensor | None:
         """[B, H, T, D] keys rotated to their current positions: a view of rot_k (storage="rotated"); with
         storage="raw" a layer cannot rotate alone (it has no positions): read `PositionedKV.layer_keys(i)`."""
-        if self.storage != "rotated":
+        if not self.mode.keeps_rotated:
             fail("SlotLayer.keys", "storage='rotated'", f"storage={self.storage!r}",
                  "read PositionedKV.layer_keys(layer) (rotated on read)")
         return None if self.rot_k is None else self.rot_k[:, :, : self.n]
@@ -75,7 +77,7 @@ class SlotLayer:
 
     # -- growth --------------------------------------------------------------------------------------------------
     def _cap(self, old: int, need: int) -> int:
-        return _sized(self.fixed, old, need, _grown if self.storage == "rotated" else _grown_tight)
+        return _sized(self.fixed, old, need, _grown if self.mode.keeps_rotated else _grown_tight)
 
     def reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
         """Make room for `need` slots (copies only the valid prefix; all-or-nothing)."""
@@ -86,7 +88,7 @@ class SlotLayer:
             raw = _alloc((B, H, cap, D), like_k.dtype if self.raw_dtype is None else self.raw_dtype, like_k.device,
                          fill)
             v = _alloc((B, H, cap, like_v.shape[-1]), like_v.dtype, like_v.device, fill)
-            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device, fill) if self.storage == "rotated" else None
+            rot = _alloc((B, H, cap, D), like_k.dtype, like_k.device, fill) if self.mode.keeps_rotated else None
             mark = _static_buffer if self.fixed else (lambda t: _dynamic_capacity(t, 2))
             rot, raw, v = (None if t is None else mark(t) for t in (rot, raw, v))
             self.rot_k, self.raw_k, self.v, self.key_dtype = rot, raw, v, like_k.dtype
@@ -107,13 +109,13 @@ class SlotLayer:
             # an index write the compiler keeps in place (a slice assignment at a symbolic offset into a graph input
             # can be functionalised into a copy of the whole buffer)
             idx = torch.arange(S, device=v.device) + self.n
-            if self.storage == "rotated":
+            if self.mode.keeps_rotated:
                 self.rot_k.index_copy_(2, idx, k_rot)
             self.raw_k.index_copy_(2, idx, k_raw.to(self.raw_k.dtype))
             self.v.index_copy_(2, idx, v)
         else:
             sl = slice(self.n, self.n + S)
-            if self.storage == "rotated":
+            if self.mode.keeps_rotated:
                 self.rot_k[:, :, sl] = k_rot
             self.raw_k[:, :, sl] = k_raw
             self.v[:, :, sl] = v
@@ -210,7 +212,7 @@ class QuantSlotLayer(SlotLayer):
         self.nrows = 0
 
     @property
-    def _names(self) -> tuple[str, ...]:
+    def buffer_names(self) -> tuple[str, ...]:
         return ("raw_k", "v", "vs", "rows", "ks", "kt", "vt")
 
     @property

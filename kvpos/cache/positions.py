@@ -21,13 +21,13 @@ class _PositionOps:
             before: | ... | p_start .. p_end-1              | ... |
             after:  | ... | p_start+delta .. p_end-1+delta  | ... |
         """
-        n = self._check_idle("shift_")
+        n = self.check_idle("shift_")
         start, end = check_range("shift_", start, end, n)
         delta = check_int("shift_ delta", delta)
         if abs(delta) >= MAX_POSITION:
             fail("shift_ delta", f"|delta| < 2**40 (MAX_POSITION)", delta)
         new = self.table.pos[:, start:end] + delta
-        self._check_new_positions(new, f"shift_ (delta={delta})")
+        self.check_new_positions(new, f"shift_ (delta={delta})")
         self._unshare_below(start)
         self.table.pos[:, start:end] = new
         self._rerotate(start, end)
@@ -35,11 +35,11 @@ class _PositionOps:
 
     def set_positions_(self, start: int, end: int, positions: torch.Tensor | Sequence[int]) -> "PositionedKV":
         """Give slots [start, end) the positions `positions` ([S] or [B, S] int64). Returns self."""
-        n = self._check_idle("set_positions_")
+        n = self.check_idle("set_positions_")
         start, end = check_range("set_positions_", start, end, n)
         B = max(self.table.batch_size, 1)
         pos = as_positions("set_positions_ positions", positions, B, end - start, self.table.pos.device)
-        self._check_new_positions(pos, "set_positions_ positions")
+        self.check_new_positions(pos, "set_positions_ positions")
         self._unshare_below(start)
         self.table.pos[:, start:end] = pos
         self._rerotate(start, end)
@@ -51,7 +51,7 @@ class _PositionOps:
             before: | 0..start-1 | start..end-1 | end..T-1            |
             after:  | 0..start-1 | end..T-1  (positions - (end-start) if close_gap) |
         """
-        n = self._check_idle("delete_")
+        n = self.check_idle("delete_")
         start, end = check_range("delete_", start, end, n)
         if not isinstance(close_gap, bool):
             fail("delete_ close_gap", "a bool", type(close_gap).__name__, exc=TypeError)
@@ -70,7 +70,7 @@ class _PositionOps:
 
     def keep_(self, slots: torch.Tensor | Sequence[int]) -> "PositionedKV":
         """Keep only `slots` (1-D integer slot indices, any order, no repeats), in that order. Positions unchanged."""
-        n = self._check_idle("keep_")
+        n = self.check_idle("keep_")
         idx = check_slot_index("keep_ slots", slots, n)
         self._select(idx)
         return self
@@ -102,7 +102,7 @@ class _PositionOps:
         return self._set_visible("unhide_", start, end, True)
 
     def _set_visible(self, op: str, start: int, end: int, value: bool) -> "PositionedKV":
-        n = self._check_idle(op)
+        n = self.check_idle(op)
         start, end = check_range(op, start, end, n)
         if end > start:
             self._unshare_below(start)
@@ -111,7 +111,7 @@ class _PositionOps:
 
     def set_segment_(self, start: int, end: int, label: int) -> "PositionedKV":
         """Label slots [start, end) with `label` (an int32 tag read by attention backends such as APE)."""
-        n = self._check_idle("set_segment_")
+        n = self.check_idle("set_segment_")
         start, end = check_range("set_segment_", start, end, n)
         label = check_int("set_segment_ label", label)
         if not SEGMENT_RANGE[0] <= label <= SEGMENT_RANGE[1]:

@@ -8,6 +8,7 @@ import torch
 
 from .._checks import fail
 from .._kernels import decode_q8_kernel, decode_raw_kernel
+from .storages import storage_mode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
 from .layers import SlotLayer
@@ -68,7 +69,7 @@ class _Reads:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """storage="raw": layer `index`'s (raw keys, values [B, H, T, D], cos, sin [B, T, R/2] float32 of the slots'
         positions, multiplied by the RoPE attention scaling): what an attention needs to rotate keys on read itself.
-        `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `_handout`)."""
+        `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `handout`)."""
         l, cos, sin = self._fused_read_setup("raw_read", index, "raw", state)
         return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
 
@@ -76,20 +77,20 @@ class _Reads:
                           ) -> tuple[SlotLayer, torch.Tensor, torch.Tensor]:
         """Layer `index` (checked: allocated, of `storage`) and its slots' scaled cos / sin [B, T, R/2]."""
         l = self.layers[index]
-        if l.storage != storage or not l.allocated:
+        if l.mode is not storage_mode(storage) or not l.allocated:
             fail(f"{op} layer {index}", f"an allocated layer with storage={storage!r}",
                  f"storage={l.storage!r}, allocated={l.allocated}")
         st = self._read_state() if state is None or state.n != l.n else state
         cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.raw_k.device)
         return l, cos, sin
 
-    def _drop_tail_(self, n0: int) -> None:
+    def drop_tail_(self, n0: int) -> None:
         """Forget every slot from `n0` on (a step that failed in attention, running or just committed); positions,
         keys untouched."""
-        if self._forward is not None and self._forward.n0 == n0:
+        if self.running_forward is not None and self.running_forward.n0 == n0:
             self._rollback_forward()
             return
-        self._forward = None
+        self.running_forward = None
         marks = self._committed
         for i, l in enumerate(self.layers):
             if marks is not None and marks[0] == n0 and i in marks[1]:
@@ -100,7 +101,7 @@ class _Reads:
 
     def _read_state(self) -> _ReadState:
         """The running forward's (or recompute's) rotate-on-read state, else a transient one."""
-        for run in (self._overwrite, self._forward):
+        for run in (self.running_overwrite, self.running_forward):
             if run is not None:
                 if run.read is None or run.read.n != self.table.n:
                     run.read = _ReadState(self.table.n)
@@ -119,7 +120,7 @@ class _Reads:
         cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
         out = st.buffer(l)[:, :, :n]
         if upto:
-            src = l.dequant_keys(0, upto) if l.storage == "int8" else l.raw_k[:, :, :upto]
+            src = l.dequant_keys(0, upto) if l.mode.quantized else l.raw_k[:, :, :upto]
             _apply(src, cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling, out=out[:, :, :upto])
         if fresh is None:
             pass
@@ -137,7 +138,7 @@ class _Reads:
         dequantized into the forward's value buffer, `fresh` = (slots, values) copied in as the engine computed
         them (like `_rotate_on_read`)."""
         l = self.layers[index]
-        if l.storage != "int8":
+        if not l.mode.quantized:
             return l.values
         n = l.n
         upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
@@ -170,7 +171,7 @@ class _Reads:
         where the kernel cannot serve. mask: None or additive float32 [B|1, T]."""
         spec = self.layers[index].spec
         inter = spec.layout is RopeLayout.INTERLEAVED
-        if self.storage == "int8":
+        if self.mode.quantized:
             d = self.quant_read(index, state)
             return decode_q8_kernel(q, d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"], d["vs"],
                                     d["vt"], d["cos"], d["sin"], mask, scale, spec.rotary_dim, inter)

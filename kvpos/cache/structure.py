@@ -23,11 +23,11 @@ class _StructureOps:
 
         Keys and values must be floating tensors of the cache's dtype (the first append sets it); `segment` labels
         the new slots (an int, or [B, S] int32), `visible` [B, S] bool (default all visible)."""
-        n = self._check_idle("append_raw_")
+        n = self.check_idle("append_raw_")
         B, S = self._check_raw_kv("append_raw_ kv", kv)
         dev = kv[0][0].device if self.table._pos is None else self.table._pos.device
         pos = as_positions("append_raw_ positions", positions, B, S, dev)
-        self._check_new_positions(pos, "append_raw_ positions")
+        self.check_new_positions(pos, "append_raw_ positions")
         if isinstance(segment, torch.Tensor):
             segment = segment.to(torch.int32)
         else:
@@ -40,12 +40,12 @@ class _StructureOps:
         self._reserve_all(n + S, [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in kv])
         self.table.reserve(B, n + S, pos.device)
         sl = slice(n, n + S)
-        if self.storage == "int8":
+        if self.mode.quantized:
             self._append_quantized(kv, B)
-        for l, (k, v) in zip(self.layers, kv if self.storage != "int8" else ()):
+        for l, (k, v) in zip(self.layers, kv if not self.mode.quantized else ()):
             l.raw_k[:, :, sl] = k
             l.v[:, :, sl] = v
-        for spec, idx in self._groups().values() if self.storage == "rotated" else ():
+        for spec, idx in self._groups().values() if self.mode.keeps_rotated else ():
             layers = [self.layers[i] for i in idx]
             cos, sin = cos_sin(pos, spec, device=layers[0].rot_k.device)
             _apply_many([l.raw_k[:, :, sl] for l in layers], [l.rot_k[:, :, sl] for l in layers],
@@ -122,7 +122,7 @@ class _StructureOps:
         slots = check_int("reserve_ slots", slots)
         if slots < 0:
             fail("reserve_ slots", "an int >= 0", slots)
-        self._check_idle("reserve_")
+        self.check_idle("reserve_")
         _sized(self.capacity, 0, slots, _grown)              # a fixed-capacity cache refuses more than it holds
         for l in (l for l in self.layers if not l.allocated):
             l.room = max(l.room, slots)
@@ -141,7 +141,7 @@ class _StructureOps:
 
     def copy(self, headroom: int = 0) -> "PositionedKV":
         """Deep copy of the valid slots (plus `headroom` free slots of capacity), not the source's whole capacity."""
-        n = self._check_idle("copy")
+        n = self.check_idle("copy")
         new = self.empty_like()
         for a, b in zip(self.layers, new.layers):
             if a.allocated:
@@ -159,7 +159,7 @@ class _StructureOps:
         """Append slots [start, end) of `other` (raw keys re-rotated), at `positions` ([S] / [B, S]) or at their
         own; visibility travels with them, labels too unless `segment` is given. `other` is only read."""
         _common_specs("append_from_", [self, other])
-        m = other._check_idle("append_from_ other")
+        m = other.check_idle("append_from_ other")
         end = m if end is None else end
         start, end = check_range("append_from_", start, end, m)
         if end == start:
@@ -206,7 +206,7 @@ class _StructureOps:
     def crop(self, tokens_to_remove: int) -> None:
         """Drop `-tokens_to_remove` slots from the end (all of them if that is more than T); 0 does nothing. A
         positive count is refused, as transformers' DynamicCache refuses it (use keep_ or delete_ instead)."""
-        n = self._check_idle("crop")
+        n = self.check_idle("crop")
         k = check_int("crop tokens_to_remove", tokens_to_remove)
         if k > 0:
             fail("crop tokens_to_remove", "a negative count of slots to remove from the end (or 0)", k,
@@ -220,7 +220,7 @@ class _StructureOps:
     def reorder_rows_(self, rows: torch.Tensor | Sequence[int]) -> None:
         """Batch rows become `rows` (1-D indices into the current rows; repeats allowed): beam reordering,
         repetition, selection."""
-        self._check_idle("reorder_rows_")
+        self.check_idle("reorder_rows_")
         if not isinstance(rows, torch.Tensor):
             try:
                 rows = torch.as_tensor(rows)
@@ -241,7 +241,7 @@ class _StructureOps:
 
     def reset(self) -> None:
         """Drop every slot (the RoPE specs stay)."""
-        self._forward = None
+        self.running_forward = None
         for l in self.layers:
             l.clear()
         self.table = self._new_table()

@@ -5,6 +5,8 @@ from typing import Callable
 
 import torch
 
+from .._checks import fail
+
 from .buffers import _OVERFLOW, _alloc, _dynamic_capacity, _grown, _regrow, _sized, _static_buffer
 
 
@@ -17,7 +19,7 @@ class SlotTable:
         self._seg: torch.Tensor | None = None
         self.fixed = fixed          # a fixed capacity (never grows nor shrinks), or None
         # fixed capacity: the slot count also as a 0-d int64 tensor, the one compiled forwards advance (a Python int
-        # would specialise or recompile every step); eager code reads `n`, re-synced from it (PositionedKV._sync_count)
+        # would specialise or recompile every step); eager code reads `n`, re-synced from it (PositionedKV.sync_count)
         self.count = _static_buffer(torch.zeros((), dtype=torch.long)) if fixed is not None else None
         self.n = 0
         # the layers' growth rule: table and layers then regrow in the same forward (one growth branch to compile)
@@ -133,6 +135,25 @@ class SlotTable:
     def shrink_(self, cap: int) -> None:
         if self._pos is not None and cap < self.capacity and self.fixed is None:
             self._pos, self._vis, self._seg = _regrow([self._pos, self._vis, self._seg], 1, cap, self.n)
+
+    def valid_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(pos [B, T] int64, visible [B, T] bool, segment [B, T] int32) of the valid slots, views of the buffers
+        (what an export flattens), or None before the first write."""
+        if self._pos is None:
+            return None
+        return self._pos[:, : self.n], self._vis[:, : self.n], self._seg[:, : self.n]
+
+    def adopt_(self, pos: torch.Tensor, visible: torch.Tensor, segment: torch.Tensor) -> None:
+        """Take these tensors (not copies) as the buffers, every slot valid: pos [B, T] int64, visible [B, T] bool,
+        segment [B, T] int32 (what an export unflattens)."""
+        B, T = pos.shape
+        for what, x, dtype in (("visible", visible, torch.bool), ("segment", segment, torch.int32)):
+            if tuple(x.shape) != (B, T) or x.dtype != dtype:
+                fail(f"SlotTable.adopt_ {what}", f"[{B}, {T}] {dtype}", f"{tuple(x.shape)} {x.dtype}")
+        if pos.dtype != torch.long:
+            fail("SlotTable.adopt_ pos", "int64", pos.dtype)
+        self._pos, self._vis, self._seg = pos, visible, segment
+        self.n = T
 
     def copy(self, headroom: int = 0) -> "SlotTable":
         """A copy holding the valid slots (plus `headroom` free ones), not the whole capacity (a fixed-capacity

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .._checks import fail
+from ..quant import int8_codes
 
 
 # How an entry holds its keys and values. "float": as computed (entries without a scheme field are "float").
@@ -33,8 +34,7 @@ def quantize_int8(raw_keys: torch.Tensor, values: torch.Tensor) -> dict[str, tor
     for name, x, dim in (("keys", raw_keys, 2), ("values", values, 3)):
         xf = x.float()
         scale = xf.abs().amax(dim=dim, keepdim=True) / 127.0
-        q = torch.where(scale > 0, xf / torch.where(scale > 0, scale, 1.0), 0.0).round_().clamp_(-127, 127)
-        out[name], out[f"{name}_scale"] = q.to(torch.int8).contiguous(), scale.contiguous()
+        out[name], out[f"{name}_scale"] = int8_codes(xf, scale).contiguous(), scale.contiguous()
     return out
 
 
