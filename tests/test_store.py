@@ -415,7 +415,7 @@ def test_a_tiered_store_serves_from_memory_what_its_far_store_serves(tmp_path, s
 
 
 @pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
-def test_an_entry_written_by_the_single_module_store_loads_and_is_written_byte_identically(scheme):
+def test_an_entry_written_by_the_single_module_store_loads_and_is_written_the_same_way(scheme):
     """tests/data/entry_v2_<scheme>.safetensors were written by kvpos 0.2.0's single-file store (before the store
     became a package): they load, and today's serialize writes the same entry for the same chunk (same metadata,
     checksum and tensor bytes; safetensors orders header fields arbitrarily, so whole blobs are not compared)."""

@@ -28,7 +28,8 @@ from .specs import rope_specs_from_model
 from .attention import RawRead, hand_raw_keys, pending_raw_read, switch_to_kvpos, uses_kvpos_attention
 from .handoff import check_raw_handoff
 from .layers import PositionedLayer, PositionedQuantLayer
-from .positions import _FORWARD, _NO_POSITIONS_FIX, _ForwardNote, _direct_positions, _install_forward_hook, _passed_positions
+from .positions import (FORWARD_NOTE, NO_POSITIONS_FIX, ForwardNote, direct_positions, install_forward_hook,
+                        passed_positions)
 
 __all__ = ["PositionedCache", "READS"]
 
@@ -131,7 +132,7 @@ class PositionedCache(PositionedKV, Cache):
         storage="raw" with read "auto" / "fused" switches an SDPA model to the "kvpos" attention (SDPA itself for
         ordinary keys), which runs the fused raw-key kernel on decode steps."""
         specs = rope_specs_from_model(model, angle_dtype=angle_dtype)
-        origin = _install_forward_hook(model)
+        origin = install_forward_hook(model)
         out = cls(specs, raw_dtype=raw_dtype, origin=origin, model_id=getattr(model, "name_or_path", None),
                   storage=storage, capacity=capacity, read=read)
         if not out.mode.keeps_rotated and read != "torch":
@@ -200,7 +201,8 @@ class PositionedCache(PositionedKV, Cache):
             pos = fw.pos                                     # a later layer of the running forward
         else:
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx, kwargs))
-        if handoff and not self.mode.keeps_rotated and self.read != "torch" and S == 1 and self.running_overwrite is None:
+        if handoff and not self.mode.keeps_rotated and self.read != "torch" and S == 1 \
+                and self.running_overwrite is None:
             out = self._update_raw_read(layer_idx, key_states, value_states, pos)
         else:
             out = self.write_rotated_(layer_idx, key_states, value_states, pos)
@@ -290,7 +292,8 @@ class PositionedCache(PositionedKV, Cache):
         variable, no tensor value read on the host). What the eager path checks from data it checks from shapes;
         what it cannot check it refuses at trace time (an error, never a silent difference)."""
         fw = self.running_forward
-        if fw is not None and layer_idx not in fw.done and self.running_overwrite is None and fw.S == key_states.shape[2]:
+        if fw is not None and layer_idx not in fw.done and self.running_overwrite is None \
+                and fw.S == key_states.shape[2]:
             pos = fw.pos
         else:
             if self.offloading:
@@ -302,7 +305,7 @@ class PositionedCache(PositionedKV, Cache):
             if self._limited:
                 fail("PositionedCache under torch.compile", "a model whose RoPE has no exact-range limit (the "
                      "compiled path cannot read positions to check it)", "a dynamic / longrope RoPE", "run it eagerly")
-            pos = _passed_positions(kwargs)
+            pos = passed_positions(kwargs)
             if pos is None:
                 fail(f"cache.update layer {layer_idx} under torch.compile: position_ids", "the positions passed by "
                      "the model to the cache", None, "this architecture does not pass them (GPT-NeoX); run it eagerly")
@@ -312,23 +315,23 @@ class PositionedCache(PositionedKV, Cache):
             pos = pos.to(device=key_states.device, dtype=torch.long).expand(B, S)
         return self.write_rotated_(layer_idx, key_states, value_states, pos)
 
-    def _forward_note(self, index: int, kwargs: dict) -> _ForwardNote | None:
+    def _forward_note(self, index: int, kwargs: dict) -> ForwardNote | None:
         """The running forward's note (consumed); refuses a forward of another model than this cache's. A direct
         call with `cache_kwargs={"position_ids": ...}` needs no note (the caller states the positions)."""
-        note = _FORWARD.get()
+        note = FORWARD_NOTE.get()
         if note is not None:
-            _FORWARD.set(None)
+            FORWARD_NOTE.set(None)
         if self.origin is None or (note is None and self.running_overwrite is not None):
             return note                    # recompute forwards: the first layer consumed and checked the note
-        if note is None and _direct_positions(kwargs):
+        if note is None and direct_positions(kwargs):
             return None
         if note is None:
             self._refuse_compile_fallback(index)
-            if _passed_positions(kwargs) is None:
+            if passed_positions(kwargs) is None:
                 fail(f"cache.update layer {index}: position_ids", "the positions the new keys were rotated at",
                      ("no positions (no model forward recorded them and none were passed; under torch.compile: a model "
                       "that does not pass position_ids to the cache, such as GPT-NeoX, which must run eagerly)"),
-                     _NO_POSITIONS_FIX)
+                     NO_POSITIONS_FIX)
         if note is None or note.model() is not self.origin():
             got = ("a forward of a model without kvpos's hook (or, under torch.compile, a model that does not pass "
                    "position_ids to the cache, such as GPT-NeoX: run it eagerly)") if note is None else \
@@ -353,18 +356,18 @@ class PositionedCache(PositionedKV, Cache):
                      f"a forward after {self.table.n} slots (a compiled decode past the capacity)",
                      "build the cache with a larger capacity=")
 
-    def _incoming_positions(self, index: int, k: torch.Tensor, kwargs: dict, note: _ForwardNote | None
+    def _incoming_positions(self, index: int, k: torch.Tensor, kwargs: dict, note: ForwardNote | None
                             ) -> torch.Tensor:
         """[B, S] int64 positions of the keys the model is handing over (read once per forward)."""
         B, S = k.shape[0], k.shape[2]
-        pos = _passed_positions(kwargs)
+        pos = passed_positions(kwargs)
         if pos is None and note is not None:
             pos = note.positions
         if pos is None and self.running_overwrite is not None and self.running_overwrite.pos is not None:
             pos = self.running_overwrite.pos                        # a later layer of a recompute forward
         if pos is None:
             fail(f"cache.update layer {index}: position_ids", "the positions of the new keys (passed by the model "
-                 "or recorded from its rotary module)", None, _NO_POSITIONS_FIX)
+                 "or recorded from its rotary module)", None, NO_POSITIONS_FIX)
         if pos.dim() == 3:
             fail("position_ids", "[B, S] (1-D positions per token)", tuple(pos.shape), "M-RoPE is not supported")
         if pos.shape[-1] != S or pos.shape[0] not in (1, B):

@@ -14,7 +14,7 @@ from .specs import rotary_modules
 
 
 @dataclass(frozen=True)
-class _ForwardNote:
+class ForwardNote:
     """Which model's forward is running (weak reference) and its positions, as the rotary module saw them."""
 
     model: weakref.ref
@@ -22,7 +22,7 @@ class _ForwardNote:
 
 
 # the running forward of this thread / task, recorded by the rotary-module hook; consumed by the cache's first write
-_FORWARD: contextvars.ContextVar[_ForwardNote | None] = contextvars.ContextVar("kvpos_forward", default=None)
+FORWARD_NOTE: contextvars.ContextVar[ForwardNote | None] = contextvars.ContextVar("kvpos_forward", default=None)
 
 
 def _record_forward(model_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -31,10 +31,10 @@ def _record_forward(model_ref: weakref.ref, module: torch.nn.Module, args: tuple
     pos = kwargs.get("position_ids")
     if pos is None and len(args) >= 2:
         pos = args[1]
-    _FORWARD.set(_ForwardNote(model_ref, pos))
+    FORWARD_NOTE.set(ForwardNote(model_ref, pos))
 
 
-def _install_forward_hook(model: torch.nn.Module) -> weakref.ref:
+def install_forward_hook(model: torch.nn.Module) -> weakref.ref:
     """Record every forward of `model` from its rotary modules (idempotent); returns the model's weak reference."""
     ref = weakref.ref(model)
     for m in rotary_modules(model):
@@ -46,7 +46,7 @@ def _install_forward_hook(model: torch.nn.Module) -> weakref.ref:
     return ref
 
 
-def _passed_positions(kwargs: dict) -> torch.Tensor | None:
+def passed_positions(kwargs: dict) -> torch.Tensor | None:
     """The position_ids handed to `cache.update`: by a model (`kwargs={...}` or keywords) or by a direct caller
     (`cache_kwargs={...}`, or that dict as the fourth positional argument), or None."""
     for name in ("cache_kwargs", "kwargs"):
@@ -56,11 +56,11 @@ def _passed_positions(kwargs: dict) -> torch.Tensor | None:
     return kwargs.get("position_ids")
 
 
-def _direct_positions(kwargs: dict) -> bool:
+def direct_positions(kwargs: dict) -> bool:
     """True when a direct caller (not a model forward) passed the positions: `cache_kwargs={"position_ids": ...}`."""
     inner = kwargs.get("cache_kwargs")
     return isinstance(inner, dict) and inner.get("position_ids") is not None
 
 
-_NO_POSITIONS_FIX = ("run the model's forward (its rotary module records the positions), or pass them: "
+NO_POSITIONS_FIX = ("run the model's forward (its rotary module records the positions), or pass them: "
                      "cache.update(k, v, layer_idx, cache_kwargs={'position_ids': pos}) with pos int64 [B|1, S]")

@@ -1,4 +1,5 @@
-"""The positioned KV cache (a package, one job per file): per-layer UNROTATED keys + rotated keys + values, and one slot table of positions.
+"""The positioned KV cache (a package, one job per file): per-layer UNROTATED keys + rotated keys + values, and
+one slot table of positions.
 
 Letters (kvpos glossary): B batch · H kv heads · T cached slots · S new slots · D head_dim · C capacity (>= T).
 

@@ -80,7 +80,8 @@ class _ForwardWrites:
             keys = self._rotate_on_read(index, (fw.n0, k_rot))
             values = self._values_on_read(index, (fw.n0, v))
         elif self.capacity is not None:
-            keys = layer.rot_k[:, :, : self.capacity]   # fixed capacity: every slot (static shape), the mask hides the rest
+            # fixed capacity: every slot (static shape), the mask hides the rest
+            keys = layer.rot_k[:, :, : self.capacity]
         else:
             keys = layer.rot_k[:, :, : layer.n]
         fw.done.add(index)

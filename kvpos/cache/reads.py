@@ -8,7 +8,7 @@ import torch
 
 from .._checks import fail
 from .._kernels import decode_q8_kernel, decode_raw_kernel
-from .storages import storage_mode
+from .storages import INT8, RAW, StorageMode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
 from .layers import SlotLayer
@@ -70,15 +70,15 @@ class _Reads:
         """storage="raw": layer `index`'s (raw keys, values [B, H, T, D], cos, sin [B, T, R/2] float32 of the slots'
         positions, multiplied by the RoPE attention scaling): what an attention needs to rotate keys on read itself.
         `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `handout`)."""
-        l, cos, sin = self._fused_read_setup("raw_read", index, "raw", state)
+        l, cos, sin = self._fused_read_setup("raw_read", index, RAW, state)
         return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
 
-    def _fused_read_setup(self, op: str, index: int, storage: str, state: "_ReadState | None"
+    def _fused_read_setup(self, op: str, index: int, mode: StorageMode, state: "_ReadState | None"
                           ) -> tuple[SlotLayer, torch.Tensor, torch.Tensor]:
-        """Layer `index` (checked: allocated, of `storage`) and its slots' scaled cos / sin [B, T, R/2]."""
+        """Layer `index` (checked: allocated, of storage `mode`) and its slots' scaled cos / sin [B, T, R/2]."""
         l = self.layers[index]
-        if l.mode is not storage_mode(storage) or not l.allocated:
-            fail(f"{op} layer {index}", f"an allocated layer with storage={storage!r}",
+        if l.mode is not mode or not l.allocated:
+            fail(f"{op} layer {index}", f"an allocated layer with storage={mode.name!r}",
                  f"storage={l.storage!r}, allocated={l.allocated}")
         st = self._read_state() if state is None or state.n != l.n else state
         cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.raw_k.device)
@@ -159,7 +159,7 @@ class _Reads:
         [0, q)), rows [T] int32, scales ks [B, H, R, D], the tail kt / vt [B, H, >= T - q, D], value codes
         [B, H, T, Dv] int8 and scales vs [B, H, T, 1] (sealed slots), q, and cos / sin [B, T, R/2] float32 (scaled like
         `raw_read`)."""
-        l, cos, sin = self._fused_read_setup("quant_read", index, "int8", state)
+        l, cos, sin = self._fused_read_setup("quant_read", index, INT8, state)
         n = l.n
         return dict(codes=l.raw_k[:, :, :n], rows=l.rows[:n], ks=l.ks, kt=l.kt, vcodes=l.v[:, :, :n],
                     vs=l.vs[:, :, :n], vt=l.vt, q=l.q, cos=cos, sin=sin)
