@@ -292,7 +292,7 @@ def _append_in_pieces(c, raws, cuts=(0, 5, 60, 130, 150)):
     first = None
     for s, e in zip(cuts, cuts[1:]):
         c.append_raw_([(k[:, :, s:e], v[:, :, s:e]) for k, v in raws], torch.arange(s, e))
-        first = first or [l.v.data_ptr() for l in c.layers] + [c.table._pos.data_ptr()]
+        first = first or [l.value_store.data_ptr() for l in c.layers] + [c.table._pos.data_ptr()]
     return first
 
 
@@ -309,8 +309,8 @@ def test_reserve_before_the_first_slot_sizes_the_first_allocation(storage):
     c.reserve_(150)
     first = _append_in_pieces(c, raws)
     assert all(l.capacity >= 150 for l in c.layers) and c.table.capacity >= 150
-    assert [l.v.data_ptr() for l in c.layers] + [c.table._pos.data_ptr()] == first
-    assert [l.v.data_ptr() for l in ref.layers] + [ref.table._pos.data_ptr()] != ref_first   # without it: regrown
+    assert [l.value_store.data_ptr() for l in c.layers] + [c.table._pos.data_ptr()] == first
+    assert [l.value_store.data_ptr() for l in ref.layers] + [ref.table._pos.data_ptr()] != ref_first   # without it: regrown
     assert torch.equal(c.positions, ref.positions)
     for a, b in zip(c.layers, ref.layers):
         assert torch.equal(a.values, b.values) and torch.equal(a.raw_keys, b.raw_keys)

@@ -160,7 +160,7 @@ def test_appends_seal_whole_groups_from_the_tail(sizes):
 
 def _stored(cache):
     """Per layer (keys, values) float64 from the int8 cache's codes, scales and tail, by the float64 oracle."""
-    return [dequant_q8_ref(l.raw_k[:, :, : l.n], l.rows[: l.n], l.ks, l.kt, l.q, l.v[:, :, : l.n], l.vs[:, :, : l.n],
+    return [dequant_q8_ref(l.k_codes[:, :, : l.n], l.rows[: l.n], l.ks, l.kt, l.q, l.v_codes[:, :, : l.n], l.vs[:, :, : l.n],
                            l.vt) for l in cache.layers]
 
 

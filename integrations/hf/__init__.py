@@ -1,7 +1,7 @@
 """The transformers adapter: the only package of kvpos that imports transformers.
 
     cache.py      PositionedCache: the core PositionedKV speaking transformers' Cache protocol
-    layers.py     PositionedLayer / PositionedQuantLayer: storage layers speaking CacheLayerMixin
+    layers.py     PositionedLayer / PositionedRawLayer / PositionedQuantLayer: storage layers speaking CacheLayerMixin
     positions.py  the rotary-module hook and the positions passed to cache.update
     handoff.py    the raw-key hand-off check of from_model
     pytree.py     torch.export registration (register_pytree)

@@ -28,13 +28,13 @@ from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 
 __all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "bind_attention", "current_binding",
-           "allowed_from_mask", "layers_heads", "RawRead", "hand_raw_keys", "pending_raw_read", "uses_kvpos_attention",
+           "allowed_from_mask", "layers_heads", "RawHandoff", "hand_raw_keys", "pending_handoff", "uses_kvpos_attention",
            "switch_to_kvpos"]
 
 NAME = "kvpos"
 _BINDING: contextvars.ContextVar["Binding | None"] = contextvars.ContextVar("kvpos_attention_binding", default=None)
 # raw keys a storage="raw" cache just handed to this thread's attention call (rotate-on-read by the fused kernel)
-_RAW: contextvars.ContextVar["RawRead | None"] = contextvars.ContextVar("kvpos_raw_read", default=None)
+_RAW: contextvars.ContextVar["RawHandoff | None"] = contextvars.ContextVar("kvpos_raw_read", default=None)
 
 
 @dataclass
@@ -110,7 +110,7 @@ def allowed_from_mask(mask: torch.Tensor | None, q: int, N: int, device: torch.d
 
 
 @dataclass
-class RawRead:
+class RawHandoff:
     """Raw keys a storage="raw" PositionedCache handed to the next attention call of `layer` (one decode token per
     row): the call rotates them on read itself. `strict`: the cache's read="fused" (an attention call the kernel
     cannot serve raises, after dropping the forward's slots from `n0` on) instead of rotating into a buffer.
@@ -166,13 +166,13 @@ class RawRead:
         return True
 
 
-def hand_raw_keys(read: RawRead) -> None:
+def hand_raw_keys(read: RawHandoff) -> None:
     """Announce raw keys to this thread's next "kvpos" attention call (the cache's update calls this)."""
     _RAW.set(read)
 
 
-def pending_raw_read() -> RawRead | None:
-    """The last hand-off announced in this thread (taken or not: see RawRead.calls)."""
+def pending_handoff() -> RawHandoff | None:
+    """The last hand-off announced in this thread (taken or not: see RawHandoff.calls)."""
     return _RAW.get()
 
 
@@ -208,7 +208,7 @@ def _additive_mask(mask: torch.Tensor | None, N: int) -> torch.Tensor | None:
     return m.to(torch.float32)
 
 
-def _raw_attention(read: RawRead, module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor,
+def _raw_attention(read: RawHandoff, module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
                    kwargs: dict) -> torch.Tensor | None:
     """[B, 1, Hq, D] from the fused kernel over the cache's raw keys, or None (the caller rotates into a buffer)."""

@@ -25,9 +25,9 @@ from kvpos.cache import PositionedKV
 from kvpos.rope import RopeSpec
 
 from .specs import rope_specs_from_model
-from .attention import RawRead, hand_raw_keys, pending_raw_read, switch_to_kvpos, uses_kvpos_attention
+from .attention import RawHandoff, hand_raw_keys, pending_handoff, switch_to_kvpos, uses_kvpos_attention
 from .handoff import check_raw_handoff
-from .layers import PositionedLayer, PositionedQuantLayer
+from .layers import LayerProtocol, protocol_layer_class
 from .positions import (FORWARD_NOTE, NO_POSITIONS_FIX, ForwardNote, direct_positions, install_forward_hook,
                         passed_positions)
 
@@ -95,9 +95,8 @@ class PositionedCache(PositionedKV, Cache):
         self.model_id = model_id
         self._limited = any(s.max_exact_position is not None for s in self.specs)
 
-    def _new_layer(self, index: int, spec: RopeSpec) -> PositionedLayer:
-        cls = PositionedQuantLayer if self.mode.quantized else PositionedLayer
-        return cls(self, index, spec, self.raw_dtype, self.storage, self.capacity)
+    def _new_layer(self, index: int, spec: RopeSpec) -> LayerProtocol:
+        return protocol_layer_class(self.mode)(self, index, spec, self.raw_dtype, self.capacity)
 
     def empty_like(self) -> "PositionedCache":
         out = type(self)(self.specs, self.raw_dtype, self.origin, self.model_id, self.offloading, self.storage,
@@ -203,7 +202,7 @@ class PositionedCache(PositionedKV, Cache):
             pos = self._incoming_positions(layer_idx, key_states, kwargs, self._forward_note(layer_idx, kwargs))
         if handoff and not self.mode.keeps_rotated and self.read != "torch" and S == 1 \
                 and self.running_overwrite is None:
-            out = self._update_raw_read(layer_idx, key_states, value_states, pos)
+            out = self._update_handoff(layer_idx, key_states, value_states, pos)
         else:
             out = self.write_rotated_(layer_idx, key_states, value_states, pos)
         if self.offloading and layer_idx > 0:
@@ -230,7 +229,7 @@ class PositionedCache(PositionedKV, Cache):
         values = values.index_copy(2, idx, v.to(values.dtype))
         return keys, values
 
-    def _why_not_raw_read(self, k: torch.Tensor) -> str | None:
+    def _why_not_handoff(self, k: torch.Tensor) -> str | None:
         """Why a decode step of storage="raw" cannot hand raw keys to the fused reader, or None."""
         if self.handoff_refused is not None:
             return self.handoff_refused
@@ -247,12 +246,12 @@ class PositionedCache(PositionedKV, Cache):
             return f"head_dim {k.shape[-1]} > 256"
         return None
 
-    def _update_raw_read(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    def _update_handoff(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of storage="raw": store the token and hand the layer's raw keys to the "kvpos" attention,
         which rotates them on read (fused kernel); where that reader is not in place, rotate into a buffer
         (read="auto") or refuse before writing anything (read="fused")."""
-        why = self._why_not_raw_read(k)
+        why = self._why_not_handoff(k)
         if why is not None:
             if self.read == "fused":
                 fail(f"PositionedCache(read='fused') layer {layer_idx}", "a decode step the fused raw-key kernel "
@@ -262,7 +261,7 @@ class PositionedCache(PositionedKV, Cache):
         self._check_handoff_taken(layer_idx)
         n0 = self.layers[layer_idx].n
         keys, values = self.write_rotated_(layer_idx, k, v, pos, hand_raw=True)
-        hand_raw_keys(RawRead(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self.handout,
+        hand_raw_keys(RawHandoff(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self.handout,
                               self.read == "fused", values.data_ptr(), self._model_modules()))
         return keys, values
 
@@ -276,7 +275,7 @@ class PositionedCache(PositionedKV, Cache):
     def _check_handoff_taken(self, layer_idx: int) -> None:
         """The raw keys handed to an earlier layer of the running forward must have been read by its attention
         (else that layer attended to something else: refuse before going on)."""
-        read = pending_raw_read()
+        read = pending_handoff()
         fw = self.running_forward
         if read is None or read.calls or read.cache_ref() is not self or fw is None or read.n0 != fw.n0 \
                 or read.layer == layer_idx:

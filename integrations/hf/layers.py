@@ -1,5 +1,9 @@
-"""PositionedLayer / PositionedQuantLayer: a core storage layer speaking transformers' CacheLayerMixin protocol
-(its reads go through the owning PositionedCache)."""
+"""The core's storage layers speaking transformers' CacheLayerMixin protocol (their reads go through the owning
+PositionedCache): one class per storage, `LayerProtocol` the shared half.
+
+    PositionedLayer       storage="rotated"   (kvpos.cache.RotatedSlotLayer)
+    PositionedRawLayer    storage="raw"       (kvpos.cache.RawSlotLayer)
+    PositionedQuantLayer  storage="int8"      (kvpos.cache.QuantSlotLayer)"""
 from __future__ import annotations
 
 import weakref
@@ -9,7 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvpos._checks import fail
-from kvpos.cache import QuantSlotLayer, SlotLayer
+from kvpos.cache import QuantSlotLayer, RawSlotLayer, RotatedSlotLayer, SlotLayer, StorageMode
 from kvpos.rope import RopeSpec
 
 
@@ -17,18 +21,27 @@ if TYPE_CHECKING:
     from .cache import PositionedCache
 
 
-class PositionedLayer(SlotLayer, CacheLayerMixin):
-    """One decoder layer of a PositionedCache: SlotLayer storage speaking the transformers CacheLayerMixin protocol."""
+class LayerProtocol:
+    """One decoder layer of a PositionedCache: transformers' CacheLayerMixin protocol over a core storage layer
+    (a mixin placed first: `class X(LayerProtocol, SomeSlotLayer, CacheLayerMixin)`, so that the protocol's
+    methods come first, then the storage's, then transformers' defaults)."""
 
     is_sliding = False
     is_croppable = True
     supports_early_init = True
 
     def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
-                 storage: str = "rotated", fixed: int | None = None) -> None:
-        SlotLayer.__init__(self, spec, raw_dtype, storage, fixed)  # CacheLayerMixin.__init__ would overwrite keys/values
+                 fixed: int | None = None) -> None:
+        # the storage's __init__ (CacheLayerMixin.__init__ would overwrite keys / values)
+        self.storage_class().__init__(self, spec, raw_dtype, fixed)
         self._owner_ref = weakref.ref(owner)       # no reference cycle: a dropped cache frees its buffers at once
         self.index = index
+        self.home: torch.device | None = None      # where offloaded buffers come back to (see offload)
+
+    @classmethod
+    def storage_class(cls) -> type[SlotLayer]:
+        """The core storage class this protocol layer speaks for (the next SlotLayer in the MRO)."""
+        return next(c for c in cls.__mro__ if issubclass(c, SlotLayer) and not issubclass(c, LayerProtocol))
 
     @property
     def _owner(self) -> "PositionedCache":
@@ -48,31 +61,29 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        """[B, H, T, D] keys at their current positions (storage="raw": rotated on read, see layer_keys)."""
+        """[B, H, T, D] keys at their current positions (storage "raw" / "int8": rotated on read, see
+        layer_keys)."""
         self._owner.sync_count()
-        if self.mode.keeps_rotated:
-            return None if self.rot_k is None else self.rot_k[:, :, : self.n]
         return self._owner.layer_keys(self.index)
 
     @property
     def device(self) -> torch.device:
         """The device the layer computes on (where `prefetch` brings offloaded buffers back)."""
-        home = getattr(self, "_home", None)
-        if home is not None:
-            return home
-        return self.v.device if self.allocated else torch.device("cpu")
+        if self.home is not None:
+            return self.home
+        return self.slot_device if self.allocated else torch.device("cpu")
 
     @property
     def raw_keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        """[B, H, T, D] keys before RoPE."""
+        """[B, H, T, D] keys before RoPE (int8: dequantized)."""
         self._owner.sync_count()
-        return None if self.raw_k is None else self.raw_k[:, :, : self.n]
+        return self.valid_raw_keys()
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        """[B, H, T, D] values."""
+        """[B, H, T, D] values (int8: dequantized)."""
         self._owner.sync_count()
-        return None if self.v is None else self.v[:, :, : self.n]
+        return self.valid_values()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.reserve(key_states, value_states, 0)
@@ -80,12 +91,12 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
     def offload(self) -> None:
         """Move this layer's buffers to CPU (transformers' layer offloading); `prefetch` brings them back."""
         if self.allocated:
-            self._home = self.device
+            self.home = self.device
             self.set_buffers([t.to("cpu", non_blocking=True) for t in self.buffers()])
 
     def prefetch(self) -> None:
         """Bring offloaded buffers back to the layer's device."""
-        if self.allocated and self.v.device != self.device:
+        if self.allocated and self.slot_device != self.device:
             d = self.device
             self.set_buffers([t.to(d, non_blocking=True) for t in self.buffers()])
 
@@ -119,11 +130,21 @@ class PositionedLayer(SlotLayer, CacheLayerMixin):
         self._owner.batch_select_indices(indices)
 
 
-class PositionedQuantLayer(QuantSlotLayer, PositionedLayer):
-    """A PositionedLayer with storage="int8" (QuantSlotLayer's buffers and reads, PositionedLayer's protocol)."""
+class PositionedLayer(LayerProtocol, RotatedSlotLayer, CacheLayerMixin):
+    """A PositionedCache layer with storage="rotated"."""
 
-    def __init__(self, owner: "PositionedCache", index: int, spec: RopeSpec, raw_dtype: torch.dtype | None,
-                 storage: str = "int8", fixed: int | None = None) -> None:
-        QuantSlotLayer.__init__(self, spec, raw_dtype, storage, fixed)
-        self._owner_ref = weakref.ref(owner)
-        self.index = index
+
+class PositionedRawLayer(LayerProtocol, RawSlotLayer, CacheLayerMixin):
+    """A PositionedCache layer with storage="raw"."""
+
+
+class PositionedQuantLayer(LayerProtocol, QuantSlotLayer, CacheLayerMixin):
+    """A PositionedCache layer with storage="int8"."""
+
+
+def protocol_layer_class(mode: StorageMode) -> type[LayerProtocol]:
+    """The PositionedCache layer class of storage `mode`."""
+    for cls in (PositionedLayer, PositionedRawLayer, PositionedQuantLayer):
+        if cls.mode is mode:
+            return cls
+    fail("protocol_layer_class mode", "a StorageMode of kvpos.cache.storages", repr(mode))

@@ -29,7 +29,9 @@ in a later layer, Ctrl-C) is rolled back before the cache is used again. Operati
 Rooms:
   buffers.py    allocation and geometric / fixed growth (all-or-nothing), the shared limits
   table.py      SlotTable: positions, visibility, segments
-  layers.py     the storages of one layer: SlotLayer (rotated, raw), QuantSlotLayer (int8)
+  layers.py     one class per storage behind one interface: SlotLayer (the interface), RawSlotLayer ("raw"),
+                RotatedSlotLayer ("rotated"); layer_class(mode) picks one
+  layers_int8.py  QuantSlotLayer ("int8": key / value codes + scales)
   reads.py      rotate-on-read, fused decode reads, int8 dequantizing reads
   forward.py    the forward write transaction (begin at the first layer, commit at the last, rollback), appending(),
                 overwriting()
@@ -42,9 +44,10 @@ from __future__ import annotations
 
 from .buffers import GROWTH, MAX_POSITION, SEGMENT_RANGE
 from .kv import PositionedKV
-from .layers import QuantSlotLayer, SlotLayer
+from .layers import RawSlotLayer, RotatedSlotLayer, SlotLayer, layer_class
+from .layers_int8 import QuantSlotLayer
 from .storages import INT8, RAW, ROTATED, STORAGE_MODES, STORAGES, StorageMode, storage_mode
 from .table import SlotTable
 
-__all__ = ["SlotLayer", "QuantSlotLayer", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
+__all__ = ["SlotLayer", "RawSlotLayer", "RotatedSlotLayer", "QuantSlotLayer", "layer_class", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
            "STORAGES", "StorageMode", "storage_mode", "STORAGE_MODES", "ROTATED", "RAW", "INT8"]

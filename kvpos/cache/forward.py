@@ -32,7 +32,7 @@ class _Overwrite:
     """A recompute forward writing into existing slots [S]; the old contents per layer, for rollback."""
 
     slots: torch.Tensor
-    saved: dict = field(default_factory=dict)      # layer index -> (rot, raw, v) of the slots before the write
+    saved: dict = field(default_factory=dict)      # layer index -> its slots before the write (layer.saved_slots)
     pos: torch.Tensor | None = None                # positions of the running recompute forward (first layer's)
     read: "_ReadState | None" = None               # storage="raw": the recompute forward's rotate-on-read state
 
@@ -48,7 +48,7 @@ class _ForwardWrites:
         commits when every layer has written. Returns every (rotated key, value) of the layer, [B, H, T, D] views.
         Inside `overwriting(slots)` the S tokens replace existing slots instead (positions must match).
         hand_raw (storage="raw" only): return the RAW keys instead, for an attention that rotates them itself (a
-        fused kernel); `raw_read()` then gives their cos/sin. The caller must guarantee that reader."""
+        fused kernel); `fused_inputs_raw()` then gives their cos/sin. The caller must guarantee that reader."""
         if self.running_overwrite is not None:
             return self._overwrite_layer(index, k_rot, v, pos)
         if self.capacity is not None and torch.compiler.is_compiling():
@@ -71,25 +71,16 @@ class _ForwardWrites:
             cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
         fw.marks[index] = layer.mark()
-        layer.append(k_rot if layer.mode.keeps_rotated else None, v, raw)
-        values = None
-        if not layer.mode.keeps_rotated and hand_raw:
-            self.handout = self._read_state()       # the forward's cos/sin, shared by its layers
-            keys, values = layer.raw_k[:, :, : layer.n], layer.v[:, :, : layer.n]   # (int8: the codes)
-        elif not layer.mode.keeps_rotated:
-            keys = self._rotate_on_read(index, (fw.n0, k_rot))
-            values = self._values_on_read(index, (fw.n0, v))
-        elif self.capacity is not None:
-            # fixed capacity: every slot (static shape), the mask hides the rest
-            keys = layer.rot_k[:, :, : self.capacity]
+        layer.append(k_rot, v, raw)
+        if hand_raw:
+            keys, values = layer.handed_out()         # raw keys (int8: the codes) for a reader that rotates them
+            self.handout = self.read_state()         # the forward's cos/sin, shared by its layers
         else:
-            keys = layer.rot_k[:, :, : layer.n]
+            keys, values = layer.attended(self, index, fw.n0, k_rot, v)
         fw.done.add(index)
         if len(fw.done) == len(self.layers):
             self.running_forward = None                    # committed (the scratch goes with it)
             self._committed = (fw.n0, fw.marks)
-        if values is None:
-            values = layer.v[:, :, : self.capacity] if self.capacity is not None else layer.values
         return keys, values
 
     def _write_counted(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
@@ -146,8 +137,8 @@ class _ForwardWrites:
         if k_rot.dim() != 4 or k_rot.shape[-1] != l.spec.head_dim:
             fail(f"write layer {index}: keys", f"[B, H, S, D={l.spec.head_dim}]", tuple(k_rot.shape))
         if n and (k_rot.shape[0] != self.table.batch_size or (l.allocated and (
-                k_rot.shape[1] != l.v.shape[1] or k_rot.dtype != l.key_dtype))):
-            fail(f"write layer {index}: keys", f"batch {self.table.batch_size}, {l.v.shape[1]} kv heads, "
+                k_rot.shape[1] != l.heads or k_rot.dtype != l.key_dtype))):
+            fail(f"write layer {index}: keys", f"batch {self.table.batch_size}, {l.heads} kv heads, "
                  f"{l.key_dtype} (what the cache holds)", f"{tuple(k_rot.shape)} {k_rot.dtype}",
                  "a cache serves one model and one batch; reset() it or build another")
         if not torch.compiler.is_compiling():
@@ -224,12 +215,9 @@ class _ForwardWrites:
         try:
             yield
         except BaseException:
-            for i, (rot, raw, v) in ow.saved.items():
+            for i, saved in ow.saved.items():
                 l = self.layers[i]
-                d = l.v.device
-                if rot is not None:
-                    l.rot_k[:, :, idx.to(d)] = rot
-                l.raw_k[:, :, idx.to(d)], l.v[:, :, idx.to(d)] = raw, v
+                l.restore_slots_(idx.to(l.slot_device), saved)
             raise
         finally:
             self.running_overwrite = None
@@ -245,16 +233,11 @@ class _ForwardWrites:
         ow.pos = pos
         cos, sin = cos_sin(pos, l.spec, device=k.device)
         raw = _apply(k, cos[:, None], -sin[:, None], l.spec, 1.0 / l.spec.attention_scaling)
-        idx = ow.slots.to(l.v.device)
-        rotated = l.mode.keeps_rotated
+        idx = ow.slots.to(l.slot_device)
         if index not in ow.saved:
-            ow.saved[index] = (l.rot_k[:, :, idx].clone() if rotated else None, l.raw_k[:, :, idx].clone(),
-                               l.v[:, :, idx].clone())
-        if rotated:
-            l.rot_k[:, :, idx] = k.to(l.rot_k.dtype)
-        l.raw_k[:, :, idx] = raw.to(l.raw_k.dtype)
-        l.v[:, :, idx] = v.to(l.v.dtype)
-        keys = l.rot_k[:, :, : l.n] if rotated else self._rotate_on_read(index, (idx, k))
+            ow.saved[index] = l.saved_slots(idx)
+        l.overwrite_slots_(idx, k, raw, v)
+        keys = l.overwritten(self, index, idx, k)
         return keys, l.values
 
     # -- position operations -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from .storages import storage_mode
 from ..rope import RopeSpec, _apply_many, cos_sin
 from .buffers import MAX_POSITION, _grown, _grown_tight
 from .forward import _Forward, _ForwardWrites, _Overwrite
-from .layers import QuantSlotLayer, SlotLayer
+from .layers import SlotLayer, layer_class
 from .positions import _PositionOps
 from .reads import _ReadState, _Reads
 from .structure import _StructureOps
@@ -38,7 +38,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         storage: "rotated" (raw + rotated keys + values: attention reads stored keys, 1.5x a plain cache), "raw"
         (raw keys + values only, keys rotated on read into one scratch layer per forward: the size of a plain
         cache; position operations touch only the slot table) or "int8" (like "raw" with keys and values stored
-        as int8: `QuantSlotLayer`; approximate, bytes in results/bench_memory.md; no recompute forwards).
+        as int8: `kvpos.cache.layers_int8.QuantSlotLayer`; approximate, bytes in results/bench_memory.md; no recompute forwards).
         capacity: a fixed capacity in slots (buffers
         allocated once at that size, zero-filled, never regrown; attention receives all `capacity` slots and the
         mask hides the unused ones: static shapes for torch.compile(fullgraph=True), like transformers'
@@ -72,7 +72,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         self.table = self._new_table()
         self.running_forward: _Forward | None = None
         self.running_overwrite: _Overwrite | None = None
-        self._last_read: tuple[int, int] | None = None    # (layer, data pointer) of the last rotate-on-read
+        self.last_read: tuple[int, int] | None = None     # (layer, data pointer) of the last rotate-on-read
         self.handout: _ReadState | None = None           # read state of the last write that handed out raw keys
         self._committed: tuple[int, dict] | None = None     # (n0, layer marks) of the last committed forward
         # slots [0, _shared) are shared with the snapshot of a running appending() block: an in-place write there
@@ -84,8 +84,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
 
     def _new_layer(self, index: int, spec: RopeSpec) -> SlotLayer:
         """The storage object of layer `index` (engine adapters return their protocol subclass)."""
-        cls = QuantSlotLayer if self.mode.quantized else SlotLayer
-        return cls(spec, self.raw_dtype, self.storage, self.capacity)
+        return layer_class(self.mode)(spec, self.raw_dtype, self.capacity)
 
     @property
     def specs(self) -> list[RopeSpec]:
@@ -155,7 +154,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         start, end = check_range("raw_kv", start, end, n)
         if n == 0:
             return []
-        return [l.read_raw(start, end, copy=True) for l in self.layers]
+        return [l.raw_slots(start, end, copy=True) for l in self.layers]
 
     def rotated_keys(self, layer: int) -> torch.Tensor:
         """Deprecated alias of `layer_keys` (one name, one meaning): [B, H, T, D] keys as attention sees them."""
@@ -169,18 +168,14 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         (storage="rotated"), or rotated on read from the raw keys into a scratch buffer (storage="raw": valid until
         the next layer is read in the same forward; outside a forward a fresh tensor)."""
         l = self.layers[index]
-        if l.mode.keeps_rotated or not l.allocated:
-            return l.rot_k[:, :, : l.n] if l.allocated else None
-        return self._rotate_on_read(index)
+        return l.read_keys(self, index) if l.allocated else None
 
     def holds_keys(self, index: int, keys: torch.Tensor) -> bool:
         """Whether `keys` are layer `index`'s keys as this cache handed them to attention (same storage)."""
         l = self.layers[index]
         if not l.allocated or keys.shape[2] != l.n:
             return False
-        if l.mode.keeps_rotated:
-            return keys.data_ptr() == l.rot_k.data_ptr()
-        return self._last_read == (index, keys.data_ptr())
+        return l.holds(index, keys, self.last_read)
 
     # -- validation helpers ----------------------------------------------------------------------------------------
     def check_idle(self, op: str) -> int:

@@ -79,7 +79,7 @@ class _PositionOps:
         self._unshare_below(0)
         for l in self.layers:
             if l.allocated:
-                l.select_(idx.to(l.v.device))
+                l.select_(idx.to(l.slot_device))
         if self.table._pos is not None:
             self.table.select_(idx.to(self.table._pos.device))
         self._maybe_shrink()

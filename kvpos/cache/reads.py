@@ -46,31 +46,32 @@ class _ReadState:
 
     def value_buffer(self, layer: "SlotLayer") -> torch.Tensor:
         """[B, H, n, Dv] in the keys' dtype: where storage="int8" dequantizes a layer's values (shared by layers)."""
-        B, H, _, Dv = layer.v.shape
-        key = ("v", B, H, Dv, layer.key_dtype, layer.v.device)
+        B, H, _, Dv = layer.value_store.shape
+        key = ("v", B, H, Dv, layer.key_dtype, layer.slot_device)
         buf = self.scratch.get(key)
         if buf is None:
-            buf = self.scratch[key] = _alloc((B, H, self.n, Dv), layer.key_dtype, layer.v.device)
+            buf = self.scratch[key] = _alloc((B, H, self.n, Dv), layer.key_dtype, layer.slot_device)
         return buf
 
     def buffer(self, layer: "SlotLayer") -> torch.Tensor:
-        B, H, _, D = layer.raw_k.shape
-        key = (B, H, D, layer.key_dtype, layer.raw_k.device)
+        """[B, H, n, D] in the keys' dtype: where a layer's keys are rotated on read (shared by layers)."""
+        B, H, _, D = layer.key_store.shape
+        key = (B, H, D, layer.key_dtype, layer.slot_device)
         buf = self.scratch.get(key)
         if buf is None:
-            buf = self.scratch[key] = _alloc((B, H, self.n, D), layer.key_dtype, layer.raw_k.device)
+            buf = self.scratch[key] = _alloc((B, H, self.n, D), layer.key_dtype, layer.slot_device)
         return buf
 
 
 class _Reads:
     """PositionedKV's reads (a mixin: every name it uses is PositionedKV's)."""
 
-    def raw_read(self, index: int, state: "_ReadState | None" = None
+    def fused_inputs_raw(self, index: int, state: "_ReadState | None" = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """storage="raw": layer `index`'s (raw keys, values [B, H, T, D], cos, sin [B, T, R/2] float32 of the slots'
         positions, multiplied by the RoPE attention scaling): what an attention needs to rotate keys on read itself.
         `state`: the forward's read state (`write_rotated_(..., hand_raw=True)` leaves it in `handout`)."""
-        l, cos, sin = self._fused_read_setup("raw_read", index, RAW, state)
+        l, cos, sin = self._fused_read_setup("fused_inputs_raw", index, RAW, state)
         return l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin
 
     def _fused_read_setup(self, op: str, index: int, mode: StorageMode, state: "_ReadState | None"
@@ -80,8 +81,8 @@ class _Reads:
         if l.mode is not mode or not l.allocated:
             fail(f"{op} layer {index}", f"an allocated layer with storage={mode.name!r}",
                  f"storage={l.storage!r}, allocated={l.allocated}")
-        st = self._read_state() if state is None or state.n != l.n else state
-        cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.raw_k.device)
+        st = self.read_state() if state is None or state.n != l.n else state
+        cos, sin = st.scaled_cos_sin(l.spec, self.table.pos, l.slot_device)
         return l, cos, sin
 
     def drop_tail_(self, n0: int) -> None:
@@ -99,7 +100,7 @@ class _Reads:
                 l.truncate(n0)
         self.table.truncate(n0)
 
-    def _read_state(self) -> _ReadState:
+    def read_state(self) -> _ReadState:
         """The running forward's (or recompute's) rotate-on-read state, else a transient one."""
         for run in (self.running_overwrite, self.running_forward):
             if run is not None:
@@ -108,20 +109,19 @@ class _Reads:
                 return run.read
         return _ReadState(self.table.n)
 
-    def _rotate_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
+    def rotate_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
                         ) -> torch.Tensor:
         """Layer `index`'s keys rotated from raw to the table's positions. `fresh` = (slots, keys [B, H, S, D] the
         engine rotated itself) are copied in as they are (bit-identical to a plain cache): slots an int m for the
         tail [m, n) (a forward's new slots: only [0, m) is rotated), or a slot index [S] (a recompute)."""
         l = self.layers[index]
-        st = self._read_state()
+        st = self.read_state()
         n = l.n
         upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
-        cos, sin = st.cos_sin(l.spec, self.table.pos, l.raw_k.device)
+        cos, sin = st.cos_sin(l.spec, self.table.pos, l.slot_device)
         out = st.buffer(l)[:, :, :n]
         if upto:
-            src = l.dequant_keys(0, upto) if l.mode.quantized else l.raw_k[:, :, :upto]
-            _apply(src, cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling, out=out[:, :, :upto])
+            _apply(l.raw_source(upto), cos[:, :, :upto], sin[:, :, :upto], l.spec, l.spec.attention_scaling, out=out[:, :, :upto])
         if fresh is None:
             pass
         elif isinstance(fresh[0], int):
@@ -129,39 +129,22 @@ class _Reads:
         else:
             out[:, :, fresh[0].to(out.device)] = fresh[1].to(out.dtype)
         if not torch.compiler.is_compiling():          # attention backends (which read it) run eagerly
-            self._last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
-        return out
-
-    def _values_on_read(self, index: int, fresh: tuple[int | torch.Tensor, torch.Tensor] | None = None
-                        ) -> torch.Tensor:
-        """Layer `index`'s values [B, H, T, Dv] as attention reads them: the stored ones, or (storage="int8")
-        dequantized into the forward's value buffer, `fresh` = (slots, values) copied in as the engine computed
-        them (like `_rotate_on_read`)."""
-        l = self.layers[index]
-        if not l.mode.quantized:
-            return l.values
-        n = l.n
-        upto = fresh[0] if fresh is not None and isinstance(fresh[0], int) else n
-        out = self._read_state().value_buffer(l)[:, :, :n]
-        if upto:
-            l.dequant_values(0, upto, out=out[:, :, :upto])
-        if fresh is not None:
-            out[:, :, upto:] = fresh[1].to(out.dtype)
+            self.last_read = (index, out.data_ptr())    # what holds_keys accepts (the forward may commit first)
         return out
 
     def read_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s (keys rotated to their positions, values) as attention reads them (read buffers for
         storage="raw" / "int8": valid until the next layer is read in the same forward)."""
-        return self.layer_keys(index), self._values_on_read(index)
+        return self.layer_keys(index), self.layers[index].values_on_read(self.read_state())
 
-    def quant_read(self, index: int, state: "_ReadState | None" = None) -> dict:
+    def fused_inputs_int8(self, index: int, state: "_ReadState | None" = None) -> dict:
         """storage="int8": what a fused reader needs of layer `index`: key codes [B, H, T, D] int8 (sealed slots
         [0, q)), rows [T] int32, scales ks [B, H, R, D], the tail kt / vt [B, H, >= T - q, D], value codes
         [B, H, T, Dv] int8 and scales vs [B, H, T, 1] (sealed slots), q, and cos / sin [B, T, R/2] float32 (scaled like
-        `raw_read`)."""
-        l, cos, sin = self._fused_read_setup("quant_read", index, INT8, state)
+        `fused_inputs_raw`)."""
+        l, cos, sin = self._fused_read_setup("fused_inputs_int8", index, INT8, state)
         n = l.n
-        return dict(codes=l.raw_k[:, :, :n], rows=l.rows[:n], ks=l.ks, kt=l.kt, vcodes=l.v[:, :, :n],
+        return dict(codes=l.k_codes[:, :, :n], rows=l.rows[:n], ks=l.ks, kt=l.kt, vcodes=l.v_codes[:, :, :n],
                     vs=l.vs[:, :, :n], vt=l.vt, q=l.q, cos=cos, sin=sin)
 
     def decode_fused(self, index: int, state: "_ReadState | None", q: torch.Tensor, mask: torch.Tensor | None,
@@ -172,8 +155,8 @@ class _Reads:
         spec = self.layers[index].spec
         inter = spec.layout is RopeLayout.INTERLEAVED
         if self.mode.quantized:
-            d = self.quant_read(index, state)
+            d = self.fused_inputs_int8(index, state)
             return decode_q8_kernel(q, d["codes"], d["rows"], d["ks"], d["kt"], d["q"], d["vcodes"], d["vs"],
                                     d["vt"], d["cos"], d["sin"], mask, scale, spec.rotary_dim, inter)
-        k, v, cos, sin = self.raw_read(index, state)
+        k, v, cos, sin = self.fused_inputs_raw(index, state)
         return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)

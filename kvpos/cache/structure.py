@@ -89,15 +89,15 @@ class _StructureOps:
                 fail(f"{what}[{i}]", "[B, H, S, D] raw keys and values", f"{tuple(k.shape)} / {tuple(v.shape)}")
             shape0 = shape0 or tuple(k.shape)
             B = B0 if B0 > 0 else max(shape0[0], 1)
-            H = l.v.shape[1] if l.allocated else shape0[1]
+            H = l.heads if l.allocated else shape0[1]
             if k.shape[0] not in (1, B) or k.shape[1] != H or k.shape[2] != shape0[2] or k.shape[3] != l.spec.head_dim:
                 fail(f"{what}[{i}] raw_keys", f"[B={B}|1, H={H}, S={shape0[2]}, D={l.spec.head_dim}]",
                      tuple(k.shape))
-            Dv = l.v.shape[3] if l.v is not None else k.shape[3]
+            Dv = l.value_dim if l.allocated else k.shape[3]
             if tuple(v.shape) != (k.shape[0], H, shape0[2], Dv):
                 fail(f"{what}[{i}] values", f"[{k.shape[0]}, H={H}, S={shape0[2]}, Dv={Dv}]", tuple(v.shape))
-            if l.allocated and k.device != l.v.device:
-                fail(f"{what}[{i}]", f"tensors on {l.v.device}", str(k.device))
+            if l.allocated and k.device != l.slot_device:
+                fail(f"{what}[{i}]", f"tensors on {l.slot_device}", str(k.device))
         B = B0 if B0 > 0 else max(shape0[0], 1)
         return B, shape0[2]
 
@@ -109,7 +109,7 @@ class _StructureOps:
                 if not l.allocated:
                     l.reserve(k, v, need)
                 else:
-                    l.reserve(l.raw_k[:, :, :0], l.v[:, :, :0], need)
+                    l.reserve(l.key_store[:, :, :0], l.value_store[:, :, :0], need)
         except BaseException:
             for l, snap in zip(self.layers, before):
                 l.restore_snapshot(snap)
@@ -127,7 +127,7 @@ class _StructureOps:
         for l in (l for l in self.layers if not l.allocated):
             l.room = max(l.room, slots)
         if self.layers[0].allocated:
-            self._reserve_all(slots, [(l.raw_k[:, :, :0], l.v[:, :, :0]) for l in self.layers])
+            self._reserve_all(slots, [(l.key_store[:, :, :0], l.value_store[:, :, :0]) for l in self.layers])
         if self.table._pos is not None:
             self.table.reserve(self.table.batch_size, slots, self.table._pos.device)
         else:
@@ -166,7 +166,7 @@ class _StructureOps:
             return self
         pos = other.table.pos[:, start:end] if positions is None else positions
         seg = other.table.segment[:, start:end] if segment is None else segment
-        return self.append_raw_([l.read_raw(start, end) for l in other.layers], pos,
+        return self.append_raw_([l.raw_slots(start, end) for l in other.layers], pos,
                                 segment=seg, visible=other.table.visible[:, start:end])
 
     @classmethod
