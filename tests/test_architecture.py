@@ -397,3 +397,58 @@ def test_binding_refuses_models_off_sdpa_and_leaves_other_models_alone():
         with use_ape(eager, PositionedCache.from_model(eager)):
             pass
     assert model.config._attn_implementation == NAME and current_binding() is None
+
+
+def _context_variables(path: Path) -> list[str]:
+    """`ContextVar(` constructions in a Python file, as file:line."""
+    return [f"{path.name}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) == "ContextVar"]
+
+
+def test_one_per_forward_scope_and_one_binding_scope_are_the_only_context_variables():
+    found = sorted(c for folder in ("kvpos", "integrations") for p in _py(folder) for c in _context_variables(p))
+    assert [c.split(":")[0] for c in found] == ["attention.py", "scope.py"], found
+
+
+def test_the_context_variable_check_can_fail(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("import contextvars\nA = contextvars.ContextVar('a')\nfrom contextvars import ContextVar\n"
+                 "B = ContextVar('b')\n")
+    assert _context_variables(f) == ["c.py:2", "c.py:4"]
+
+
+class _Counting:
+    """A backend that answers plain attention and counts its calls."""
+
+    needs_cache = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, call, binding):
+        self.calls += 1
+        return call.plain()
+
+
+def test_a_compiled_forward_inside_a_binding_reaches_the_backend():
+    """Why bind_attention counts bindings on the model's modules (`_kvpos_bound`): compiled code cannot read the
+    binding's context variable, and without a value it can guard on, a compiled forward would run SDPA while a
+    backend is bound (silently ignoring it). The counter is module state dynamo guards on: binding recompiles."""
+    from kvpos.integrations.hf import bind_attention
+
+    model = tiny_model("llama")[0]
+    ids = torch.randint(3, 128, (1, 7))
+    cache = PositionedCache.from_model(model)                       # switches nothing: storage="rotated"
+    model.set_attn_implementation(NAME)
+    fwd = torch.compile(model.forward, backend="eager")
+    with torch.no_grad():
+        ref = fwd(input_ids=ids).logits                             # compiled, no binding: SDPA
+        backend = _Counting()
+        with bind_attention(model, backend):
+            got = fwd(input_ids=ids).logits
+        after = fwd(input_ids=ids).logits
+    assert backend.calls == model.config.num_hidden_layers, backend.calls
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(after, ref)
+    assert all(getattr(m, "_kvpos_bound", 0) == 0 for m in model.modules())
+    del cache

@@ -2,6 +2,7 @@
 
     cache.py      PositionedCache: the core PositionedKV speaking transformers' Cache protocol
     layers.py     PositionedLayer / PositionedRawLayer / PositionedQuantLayer: storage layers speaking CacheLayerMixin
+    scope.py      the per-forward scope (one context variable): the forward note and the raw-key hand-off
     positions.py  the rotary-module hook and the positions passed to cache.update
     handoff.py    the raw-key hand-off check of from_model
     pytree.py     torch.export registration (register_pytree)

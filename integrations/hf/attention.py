@@ -27,14 +27,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 
+from .scope import drop_handoff, pending_handoff
+
 __all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "bind_attention", "current_binding",
-           "allowed_from_mask", "layers_heads", "RawHandoff", "hand_raw_keys", "pending_handoff", "uses_kvpos_attention",
-           "switch_to_kvpos"]
+           "allowed_from_mask", "layers_heads", "RawHandoff", "uses_kvpos_attention", "switch_to_kvpos"]
 
 NAME = "kvpos"
 _BINDING: contextvars.ContextVar["Binding | None"] = contextvars.ContextVar("kvpos_attention_binding", default=None)
-# raw keys a storage="raw" cache just handed to this thread's attention call (rotate-on-read by the fused kernel)
-_RAW: contextvars.ContextVar["RawHandoff | None"] = contextvars.ContextVar("kvpos_raw_read", default=None)
 
 
 @dataclass
@@ -157,23 +156,13 @@ class RawHandoff:
         elif value.data_ptr() != self.vptr:
             why = "values other than those the cache returned (the architecture changes them before attention)"
         if why is not None:
-            _RAW.set(None)
+            drop_handoff()
             self.cache.drop_tail_(self.n0)
             fail(f"PositionedCache(storage={self.cache.storage!r}) layer {self.layer}: raw-key hand-off",
                  "the attention call receiving the raw keys and values the cache returned, once", why,
                  "build the cache with read='torch' (keys rotated into a buffer: exact for every architecture)")
         self.calls += 1
         return True
-
-
-def hand_raw_keys(read: RawHandoff) -> None:
-    """Announce raw keys to this thread's next "kvpos" attention call (the cache's update calls this)."""
-    _RAW.set(read)
-
-
-def pending_handoff() -> RawHandoff | None:
-    """The last hand-off announced in this thread (taken or not: see RawHandoff.calls)."""
-    return _RAW.get()
 
 
 _UNFUSED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
@@ -241,7 +230,7 @@ def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     b = _BINDING.get()
-    read = _RAW.get()
+    read = pending_handoff()
     if read is not None and read.check_call(module, key, value):
         bound = b is not None and id(module) in b.modules
         out = None if bound else _raw_attention(read, module, query, value, attention_mask, dropout, scaling,

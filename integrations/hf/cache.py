@@ -25,11 +25,11 @@ from kvpos.cache import PositionedKV
 from kvpos.rope import RopeSpec
 
 from .specs import rope_specs_from_model
-from .attention import RawHandoff, hand_raw_keys, pending_handoff, switch_to_kvpos, uses_kvpos_attention
+from .attention import RawHandoff, switch_to_kvpos, uses_kvpos_attention
 from .handoff import check_raw_handoff
 from .layers import LayerProtocol, protocol_layer_class
-from .positions import (FORWARD_NOTE, NO_POSITIONS_FIX, ForwardNote, direct_positions, install_forward_hook,
-                        passed_positions)
+from .positions import NO_POSITIONS_FIX, ForwardNote, direct_positions, install_forward_hook, passed_positions
+from .scope import hand_off, pending_handoff, take_note
 
 __all__ = ["PositionedCache", "READS"]
 
@@ -261,7 +261,7 @@ class PositionedCache(PositionedKV, Cache):
         self._check_handoff_taken(layer_idx)
         n0 = self.layers[layer_idx].n
         keys, values = self.write_rotated_(layer_idx, k, v, pos, hand_raw=True)
-        hand_raw_keys(RawHandoff(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self.handout,
+        hand_off(RawHandoff(weakref.ref(self), layer_idx, keys.data_ptr(), keys.shape[2], n0, self.handout,
                               self.read == "fused", values.data_ptr(), self._model_modules()))
         return keys, values
 
@@ -317,9 +317,7 @@ class PositionedCache(PositionedKV, Cache):
     def _forward_note(self, index: int, kwargs: dict) -> ForwardNote | None:
         """The running forward's note (consumed); refuses a forward of another model than this cache's. A direct
         call with `cache_kwargs={"position_ids": ...}` needs no note (the caller states the positions)."""
-        note = FORWARD_NOTE.get()
-        if note is not None:
-            FORWARD_NOTE.set(None)
+        note = take_note()
         if self.origin is None or (note is None and self.running_overwrite is not None):
             return note                    # recompute forwards: the first layer consumed and checked the note
         if note is None and direct_positions(kwargs):

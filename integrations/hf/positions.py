@@ -1,8 +1,8 @@
-"""How positions reach the cache: the rotary-module hook that records each forward (model and positions, per
-thread, in a context variable) and the positions a model or a direct caller passes to `cache.update`."""
+"""How positions reach the cache: the rotary-module hook that records each forward (model and positions, in the
+per-forward scope: kvpos.integrations.hf.scope) and the positions a model or a direct caller passes to
+`cache.update`."""
 from __future__ import annotations
 
-import contextvars
 import functools
 import weakref
 from dataclasses import dataclass
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 
+from .scope import record_note
 from .specs import rotary_modules
 
 
@@ -21,17 +22,13 @@ class ForwardNote:
     positions: torch.Tensor | None
 
 
-# the running forward of this thread / task, recorded by the rotary-module hook; consumed by the cache's first write
-FORWARD_NOTE: contextvars.ContextVar[ForwardNote | None] = contextvars.ContextVar("kvpos_forward", default=None)
-
-
 def _record_forward(model_ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():
         return          # torch.compile cannot trace context variables; traced forwards are checked by shape instead
     pos = kwargs.get("position_ids")
     if pos is None and len(args) >= 2:
         pos = args[1]
-    FORWARD_NOTE.set(ForwardNote(model_ref, pos))
+    record_note(ForwardNote(model_ref, pos))
 
 
 def install_forward_hook(model: torch.nn.Module) -> weakref.ref:

@@ -43,11 +43,12 @@ Rooms:
 from __future__ import annotations
 
 from .buffers import GROWTH, MAX_POSITION, SEGMENT_RANGE
+from .forward import ForwardWriter
 from .kv import PositionedKV
 from .layers import RawSlotLayer, RotatedSlotLayer, SlotLayer, layer_class
 from .layers_int8 import QuantSlotLayer
 from .storages import INT8, RAW, ROTATED, STORAGE_MODES, STORAGES, StorageMode, storage_mode
 from .table import SlotTable
 
-__all__ = ["SlotLayer", "RawSlotLayer", "RotatedSlotLayer", "QuantSlotLayer", "layer_class", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
+__all__ = ["ForwardWriter", "SlotLayer", "RawSlotLayer", "RotatedSlotLayer", "QuantSlotLayer", "layer_class", "SlotTable", "PositionedKV", "GROWTH", "MAX_POSITION", "SEGMENT_RANGE",
            "STORAGES", "StorageMode", "storage_mode", "STORAGE_MODES", "ROTATED", "RAW", "INT8"]

@@ -37,8 +37,79 @@ class _Overwrite:
     read: "_ReadState | None" = None               # storage="raw": the recompute forward's rotate-on-read state
 
 
+class ForwardWriter:
+    """One engine forward written explicitly, layer by layer (the protocol an engine adapter drives):
+
+        writer = kv.begin_forward(pos)                 # pos int64 [B, S]: the new tokens' positions
+        for i in range(L):
+            keys, values = writer.write(i, k_rot, v)   # k_rot / v [B, H, S, D], k_rot rotated at pos by the engine
+        writer.commit()                                # every layer written, or it raises (and rolls back)
+
+    `abort()` (or an exception inside `with kv.begin_forward(pos) as writer:`) rolls the forward back: the cache is
+    as it was before `begin_forward`, whether 0, some or all layers were written. transformers' adapter writes
+    through the same transaction implicitly (`write_rotated_` begins at a forward's first layer write)."""
+
+    def __init__(self, kv: "_ForwardWrites", pos: torch.Tensor) -> None:
+        self.kv, self.pos, self.n0 = kv, pos, kv.table.n
+        self.state = "open"
+
+    def write(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, hand_raw: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s new keys and values (see PositionedKV.write_rotated_); returns what attention reads."""
+        if self.state != "open":
+            fail("ForwardWriter.write", "an open forward", f"a {self.state} one", "begin_forward() again")
+        fw = self.kv.running_forward
+        if (fw is None and self.kv.table.n != self.n0) or (fw is not None and fw.n0 != self.n0):
+            self.state = "aborted"
+            fail("ForwardWriter.write", f"the cache as begin_forward left it ({self.n0} slots before this forward)",
+                 f"{self.kv.table.n} slots (another forward wrote in between)", "one forward at a time per cache")
+        return self.kv.write_rotated_(index, k_rot, v, self.pos, hand_raw)
+
+    def commit(self) -> None:
+        """End the forward; every layer must have been written (else it is rolled back and this raises)."""
+        if self.state != "open":
+            fail("ForwardWriter.commit", "an open forward", f"a {self.state} one")
+        fw = self.kv.running_forward
+        if fw is not None or self.kv.table.n == self.n0:
+            done = 0 if fw is None else len(fw.done)
+            self.abort()
+            fail("ForwardWriter.commit", f"all {len(self.kv.layers)} layers written", f"{done} written",
+                 "write every layer of the forward (the cache was rolled back)")
+        self.state = "committed"
+
+    def abort(self) -> None:
+        """Roll the forward back (no-op after commit or abort)."""
+        if self.state != "open":
+            return
+        self.state = "aborted"
+        self.kv.drop_tail_(self.n0)
+
+    def __enter__(self) -> "ForwardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self.state == "open":
+            self.commit()
+
+
 class _ForwardWrites:
     """PositionedKV's forward writes (a mixin: every name it uses is PositionedKV's)."""
+
+    def begin_forward(self, pos: torch.Tensor) -> ForwardWriter:
+        """Begin an engine forward of S new tokens at `pos` int64 [B, S] (validated here); see ForwardWriter."""
+        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.long or pos.dim() != 2 or pos.shape[1] == 0:
+            fail("begin_forward pos", "int64 [B, S] positions (S >= 1)",
+                 f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
+        if self.running_overwrite is not None:
+            fail("begin_forward", "no overwrite in progress", "inside overwriting()", "write the recompute forward "
+                 "with write_rotated_ inside overwriting()")
+        self.check_idle("begin_forward")
+        if self.table.batch_size > 0 and pos.shape[0] != self.table.batch_size:
+            fail("begin_forward pos", f"batch {self.table.batch_size} (the cache's)", pos.shape[0])
+        self.check_new_positions(pos, "begin_forward pos")
+        return ForwardWriter(self, pos)
 
     def write_rotated_(self, index: int, k_rot: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                        hand_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
