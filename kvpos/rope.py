@@ -44,6 +44,13 @@ class RopeLayout(str, enum.Enum):
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
 
 
+def _identity(key: tuple) -> str:
+    """sha256 (hex, 16 characters) of a RopeSpec key: equal exactly when the keys are equal (floats by repr)."""
+    import hashlib
+
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, eq=False)
 class RopeSpec:
     """Everything needed to rotate one layer's keys.
@@ -56,6 +63,7 @@ class RopeSpec:
     rope_type: the transformers rope_type, for messages and fingerprints.
     max_exact_position: positions >= this are refused (dynamic / longrope switch frequency sets there); None = no limit.
     angle_dtype: torch.float32 (bit-compatible with transformers) or torch.float64.
+    identity: the digest of key(), set at construction: two specs rotate identically iff their identities match.
     """
 
     inv_freq: torch.Tensor
@@ -80,9 +88,12 @@ class RopeSpec:
             fail("RopeSpec.angle_dtype", "torch.float32 or torch.float64", self.angle_dtype)
         object.__setattr__(self, "inv_freq", self.inv_freq.detach().to(torch.float32).cpu().contiguous())
         object.__setattr__(self, "layout", RopeLayout(self.layout))
+        object.__setattr__(self, "identity", _identity(self.key()))
 
     def key(self) -> tuple:
-        """A hashable identity of the rotation (two specs with equal keys rotate identically)."""
+        """What the rotation depends on (two specs with equal keys rotate identically); `identity` is its digest,
+        THE rule for "same spec" in the cache (layers sharing cos / sin, caches that may be concatenated), the
+        transformers export and the vLLM worker."""
         return (
             tuple(self.inv_freq.tolist()),
             float(self.attention_scaling),

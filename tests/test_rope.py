@@ -159,3 +159,15 @@ def test_specs_from_a_config_alone_equal_those_of_the_loaded_model(arch):
     a, b = rope_specs_from_config(cfg), rope_specs_from_model(model)
     assert [s.key() for s in a] == [s.key() for s in b]
     assert [s.max_exact_position for s in a] == [s.max_exact_position for s in b]
+
+
+def test_the_same_spec_rule_is_the_identity_of_what_the_rotation_depends_on():
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    a = RopeSpec(inv, 1.0, 8, 8)
+    assert RopeSpec(inv.clone(), 1.0, 8, 8).identity == a.identity             # equal values, another object
+    assert RopeSpec(inv, 1.0, 8, 8, rope_type="linear", max_exact_position=99).identity == a.identity
+    bumped = inv.clone()
+    bumped[1] = torch.nextafter(bumped[1], torch.tensor(1.0))                   # one ulp apart
+    others = [RopeSpec(bumped, 1.0, 8, 8), RopeSpec(inv, 1.0 + 1e-7, 8, 8), RopeSpec(inv, 1.0, 8, 16),
+              RopeSpec(inv, 1.0, 8, 8, RopeLayout.INTERLEAVED), RopeSpec(inv, 1.0, 8, 8, angle_dtype=torch.float64)]
+    assert len({s.identity for s in others} | {a.identity}) == len(others) + 1

@@ -46,7 +46,7 @@ def _tree_flatten(cache: PositionedCache) -> tuple[list[torch.Tensor], _TreeCont
     table = cache.table.valid_buffers()
     if table is not None:
         leaves += list(table)
-    ctx = _TreeContext(type(cache), cache.storage, cache.raw_dtype, tuple(s.key() for s in cache.specs),
+    ctx = _TreeContext(type(cache), cache.storage, cache.raw_dtype, tuple(s.identity for s in cache.specs),
                        tuple(l.key_dtype if l.allocated else None for l in cache.layers), table is not None,
                        tuple(cache.specs), cache.origin, cache.model_id)
     return leaves, ctx

@@ -8,7 +8,6 @@ layout of the attention kernel's instruction set. Writes go through vLLM's own `
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any, Callable
@@ -113,11 +112,9 @@ class WorkerSide:
     def _spec_groups(self) -> list[tuple[list[int], Any]]:
         """Layers grouped by identical RoPE spec (most models: one group), each rotated in one call."""
         if self.groups is None:
-            by: dict[tuple[str, bytes], tuple[list[int], Any]] = {}
+            by: dict[str, tuple[list[int], Any]] = {}
             for l, spec in enumerate(self.specs):
-                key = (json.dumps(spec.describe(), sort_keys=True) + str(spec.angle_dtype),
-                       spec.inv_freq.double().numpy().tobytes())
-                by.setdefault(key, ([], spec))[0].append(l)
+                by.setdefault(spec.identity, ([], spec))[0].append(l)      # the one "same spec" rule
             self.groups = list(by.values())
         return self.groups
 

@@ -22,7 +22,7 @@ class _Forward:
     pos: torch.Tensor
     done: set = field(default_factory=set)
     marks: dict = field(default_factory=dict)     # layer index -> its mark before this forward (rollback point)
-    unrot: dict = field(default_factory=dict)     # id(spec) -> (cos, -sin) [B, 1, S, R/2]
+    unrot: dict = field(default_factory=dict)     # spec.identity -> (cos, -sin) [B, 1, S, R/2]
     read: "_ReadState | None" = None              # storage="raw": this forward's rotate-on-read state
     at: "torch.Tensor | None" = None              # fixed capacity under compile: the slot index [S] of the new slots
 
@@ -136,10 +136,10 @@ class _ForwardWrites:
         elif S != fw.S or layer.n != fw.n0:
             fail(f"write layer {index}", f"{fw.S} new slots after {fw.n0} (what earlier layers of this forward "
                  "wrote)", f"{S} new slots after {layer.n}", "all layers of one forward must receive the same tokens")
-        cs = fw.unrot.get(id(layer.spec))
+        cs = fw.unrot.get(layer.spec.identity)
         if cs is None:
             cos, sin = cos_sin(fw.pos, layer.spec, device=k_rot.device)
-            cs = fw.unrot[id(layer.spec)] = (cos[:, None], -sin[:, None])
+            cs = fw.unrot[layer.spec.identity] = (cos[:, None], -sin[:, None])
         raw = _apply(k_rot, cs[0], cs[1], layer.spec, 1.0 / layer.spec.attention_scaling)
         fw.marks[index] = layer.mark()
         layer.append(k_rot, v, raw)

@@ -188,11 +188,11 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
                      "position operations run between forwards, not during one")
         return n
 
-    def _groups(self) -> dict[int, tuple[RopeSpec, list[int]]]:
-        """Layers grouped by RoPE spec object: {id(spec): (spec, [layer indices])}."""
-        groups: dict[int, tuple[RopeSpec, list[int]]] = {}
+    def _groups(self) -> dict[str, tuple[RopeSpec, list[int]]]:
+        """Layers grouped by RoPE spec identity: {spec.identity: (spec, [layer indices])}."""
+        groups: dict[str, tuple[RopeSpec, list[int]]] = {}
         for i, l in enumerate(self.layers):
-            groups.setdefault(id(l.spec), (l.spec, []))[1].append(i)
+            groups.setdefault(l.spec.identity, (l.spec, []))[1].append(i)
         return groups
 
     def check_new_positions(self, pos: torch.Tensor, what: str) -> None:

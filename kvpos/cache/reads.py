@@ -21,21 +21,21 @@ class _ReadState:
     forward so that nothing beyond the raw keys and values stays resident."""
 
     n: int
-    cs: dict = field(default_factory=dict)        # id(spec) -> (cos, sin) [B, 1, n, R/2]; ("scaled", id) [B, n, R/2]
+    cs: dict = field(default_factory=dict)        # spec.identity -> (cos, sin) [B, 1, n, R/2]; ("scaled", identity) [B, n, R/2]
     scratch: dict = field(default_factory=dict)   # (B, H, D, dtype, device) -> [B, H, n, D]
 
     def cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        cs = self.cs.get(id(spec))
+        cs = self.cs.get(spec.identity)
         if cs is None:
             cos, sin = cos_sin(pos[:, : self.n], spec, device=device)
-            cs = self.cs[id(spec)] = (cos[:, None], sin[:, None])
+            cs = self.cs[spec.identity] = (cos[:, None], sin[:, None])
         return cs
 
     def scaled_cos_sin(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, n, R/2] multiplied by the spec's attention scaling: what a fused reader takes (once per
         spec and forward, shared by its layers)."""
-        key = ("scaled", id(spec))
+        key = ("scaled", spec.identity)
         cs = self.cs.get(key)
         if cs is None:
             cos, sin = self.cos_sin(spec, pos, device)

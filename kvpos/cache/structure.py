@@ -257,7 +257,7 @@ def _common_specs(op: str, caches: Iterable[PositionedKV]) -> None:
         if len(c.layers) != len(ref.layers):
             fail(f"{op} caches[{j}]", f"{len(ref.layers)} layers", len(c.layers))
         for i, (a, b) in enumerate(zip(ref.layers, c.layers)):
-            if a.spec.key() != b.spec.key():
+            if a.spec.identity != b.spec.identity:
                 fail(f"{op} caches[{j}] layer {i}", "the same RoPE spec as caches[0]", b.spec.describe())
         if ref.origin is not None and c.origin is not None and c.origin != ref.origin:
             fail(f"{op} caches[{j}]", "a cache of the same model as caches[0]", "a cache of another model",
