@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: timing, markdown tables, JSON output, plots."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -80,3 +81,31 @@ def plot(path: str | None, series: dict[str, tuple[list, list]], xlabel: str, yl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def bench_parser(doc: str, *, model: bool = True, seed: int | None = None, plot: bool = False,
+                 model_help: str = "default: the embedded SmolLM2-135M-Instruct") -> "argparse.ArgumentParser":
+    """The argument prologue every benchmark shares: --threads (default 2, the project machine's cores), --json
+    (the results file; its .md table is written beside it), and where the benchmark has them --model, --seed and
+    --plot (a PNG path). The benchmark adds its own arguments, then calls `parse_bench_args`."""
+
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if model:
+        ap.add_argument("--model", default=None, help=model_help)
+    if seed is not None:
+        ap.add_argument("--seed", type=int, default=seed)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--json", default=None, help="write the results here (and the markdown table beside it)")
+    if plot:
+        ap.add_argument("--plot", default=None, help="PNG path")
+    return ap
+
+
+def parse_bench_args(ap: "argparse.ArgumentParser", argv: Sequence[str] | None = None) -> "argparse.Namespace":
+    """Parse, then apply what the prologue controls (torch's thread count)."""
+    a = ap.parse_args(argv)
+    if a.threads < 1:
+        ap.error(f"--threads: expected an int >= 1, got {a.threads}")
+    torch.set_num_threads(a.threads)
+    return a

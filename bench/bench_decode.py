@@ -19,7 +19,6 @@ in the same round) and reported as the median over rounds, with the smallest and
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import statistics
@@ -29,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, StaticCache
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos.integrations.hf import PositionedCache, load_model
 
 
@@ -136,17 +135,12 @@ def main_compiled(a, model) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, plot=True)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="PNG path (default: beside --json)")
     ap.add_argument("--compile", action="store_true", help="decode through torch.compile (four caches, see above)")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     model, _ = load_model(a.model)
     if a.compile:
         return main_compiled(a, model)

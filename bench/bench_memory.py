@@ -32,7 +32,6 @@ int8 (targets: bytes <= 0.30x fp32 / 0.55x bf16 DynamicCache, decode >= 0.9x).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos.integrations.hf import PositionedCache, load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
 from kvpos.store import SCHEMES, ChunkKV, ChunkStore, DiskBackend, RedisBackend, model_fingerprint, serialize
@@ -204,20 +203,16 @@ def store_rows(model, reps: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--steps", type=int, default=9, help="forwards per round (the first of each warms, dropped)")
     ap.add_argument("--reps", type=int, default=6)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-store", action="store_true", help="skip the store rows (they start a redis-server)")
     ap.add_argument("--store-only", action="store_true", help="only the store rows (every scheme, disk and Redis)")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = parse_bench_args(ap)
     if any(c < 16 for c in a.contexts) or a.steps < 2 or a.reps < 1:
         raise SystemExit(f"expected contexts >= 16, steps >= 2, reps >= 1; got {a.contexts}, {a.steps}, {a.reps}")
-    torch.set_num_threads(a.threads)
     model, _ = load_model(a.model)
     if a.store_only and a.no_store:
         raise SystemExit("expected at most one of --store-only and --no-store")

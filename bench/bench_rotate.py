@@ -8,12 +8,11 @@ reads and writes). Look at: ratio = shift GB/s / memcpy GB/s (target >= 0.5).
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 from tqdm import tqdm
 
-from _common import machine, markdown_table, median_time, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, median_time, parse_bench_args, plot, write_outputs
 from kvpos import RopeSpec
 from kvpos.reference import rotate_ref
 from kvpos.integrations.hf import PositionedCache
@@ -29,15 +28,11 @@ def build(T: int, dtype: torch.dtype, layers: int = 30, heads: int = 3, head_dim
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, model=False, plot=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     rows = []
     for dname in a.dtype:
         dtype = getattr(torch, dname)

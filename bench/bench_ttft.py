@@ -24,7 +24,6 @@ Look at: speedup_vs_full of kvpos_seq at 4k and 8k (target >= 10x) and the first
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos.data import passages
 from kvpos.integrations.ape import ApeBackend
 from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
@@ -79,7 +78,7 @@ def _prefix(model, prev: DynamicCache, prev_ids: torch.Tensor, ids: torch.Tensor
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, seed=0, plot=True)
     ap.add_argument("--configs", nargs="+", default=["1024:4", "2048:8", "4096:8", "8000:16"],
                     help="context_tokens:chunks pairs")
     ap.add_argument("--reps", type=int, default=3)
@@ -94,13 +93,7 @@ def main() -> None:
                     help="time only these methods (full, prefix_cache and the --redis rows always)")
     ap.add_argument("--redis", nargs="*", default=None, choices=list(SCHEMES),
                     help="also time kvpos_seq with chunks fetched from Redis, per store scheme (default: all)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     if a.redis is not None:
         with tempfile.TemporaryDirectory() as tmp:
             proc, port = start_redis(tmp)

@@ -14,7 +14,6 @@ Look at: speedup = full decode_s / window decode_s at 32k (target >= 3x at budge
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos import RopeSpec
 from kvpos.window import BlockIndex, FarStore, far_query, sparse_decode_attention
 
@@ -32,7 +31,7 @@ L, HQ, H, D = 30, 9, 3, 64
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, model=False, plot=True)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--budget", type=float, nargs="+", default=[0.05])
     ap.add_argument("--sinks", type=int, default=8)
@@ -41,11 +40,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--blocks", action="store_true", help="select by Quest block bounds instead of the int8 index")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     inv = 1.0 / (100000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
     spec = RopeSpec(inv, 1.0, D, D)
     sm = 1.0 / math.sqrt(D)

@@ -15,7 +15,6 @@ position range (T = S = 1); ape = the same with APE temperature/scale. JSON rows
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -26,7 +25,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE, ApeParams
 from kvpos.integrations.ape import ApeBackend
 from kvpos.integrations.compose import ChunkComposer
@@ -52,19 +51,13 @@ def fanout_items() -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, seed=0, plot=True)
     ap.add_argument("--demos", type=int, nargs="+", default=[50, 100, 200, 400])
     ap.add_argument("--queries", type=int, default=60)
     ap.add_argument("--group", type=int, default=20, help="demonstrations per parallel chunk")
     ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE)
     ap.add_argument("--scale", type=float, default=DEFAULT_SCALE)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     model, tok = load_model(a.model)
     items = fanout_items()
     rng = random.Random(a.seed)

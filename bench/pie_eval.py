@@ -43,7 +43,6 @@ Default corpus: the fixed list STDLIB_FILES of Python standard-library modules f
 """
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import os
@@ -57,7 +56,7 @@ import torch
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos.edits import Strategy, diff_tokens
 from kvpos.integrations.hf import MarginWatch, load_model
 from kvpos.integrations.pie import EditSession
@@ -478,12 +477,10 @@ def plot_cost_quality(tasks: dict, path: str | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, seed=0, model_help="smollm2 (default), gemma3, a .gguf path or a model directory")
     ap.add_argument("--corpus", default=None)
     ap.add_argument("--samples", type=int, default=200, help="per task")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--context-tokens", type=int, default=2048)
-    ap.add_argument("--model", default=None, help="smollm2 (default), gemma3, a .gguf path or a model directory")
     ap.add_argument("--k", type=int, nargs="+", default=[16, 64],
                     help="pie+k: tokens re-encoded after each edit; the first value is reported as 'pie+k', "
                          "others as 'pie+k<k>'")
@@ -509,14 +506,12 @@ def main() -> None:
                          "line and target). Ratios to prefix stay side by side in this run; ratios to full do not")
     ap.add_argument("--tasks", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--max-new", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
     ap.add_argument("--resume", action="store_true",
                     help="continue the run saved in --json (same settings): its finished samples are kept, the "
                          "rest are run, and the tables cover all")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="no run: re-render the tables and plots of a finished run from its saved records")
-    a = ap.parse_args()
+    a = parse_bench_args(ap)
     if a.report:
         return rerender(a.report)
     if not 256 <= a.context_tokens <= 8000:
@@ -526,7 +521,6 @@ def main() -> None:
             raise SystemExit(f"--blend: expected ratios in (0, 1], got {r}")
     names = strategy_names(a.k, a.tail, tuple(a.blend), tuple(a.also), tuple(a.skip), tuple(a.int8),
                            tuple(a.gate))  # fail early
-    torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     for name, strat in names:                       # what this model cannot do fails before the run, with the reason
         try:

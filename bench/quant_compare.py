@@ -32,7 +32,6 @@ hqq-int8 (and kvpos-int4 vs hqq-int4 / quanto-int4): KL and accuracy at their by
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from _common import machine, markdown_table, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, write_outputs
 from kvpos.data import needle_items
 from kvpos.integrations.hf import PositionedCache, load_model
 from kvpos.integrations.hf.models import rope_specs_from_config
@@ -151,21 +150,16 @@ def _peer_cache(model, backend: str, nbits: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, seed=0)
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--passages", type=int, default=8)
     ap.add_argument("--passage-tokens", type=int, default=100)
     ap.add_argument("--max-new", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="*", default=list(KVPOS) + list(PEERS) + list(CACHE),
                     choices=list(KVPOS) + list(PEERS) + list(CACHE))
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = parse_bench_args(ap)
     if a.n < 1 or a.max_new < 1:
         raise SystemExit(f"expected --n >= 1 and --max-new >= 1, got {a.n}, {a.max_new}")
-    torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     specs = rope_specs_from_config(model.config)
     fp = model_fingerprint(model, torch.arange(4), specs)

@@ -27,7 +27,6 @@ first-token divergence the quantization alone adds; accuracy_vs_float: accuracy 
 """
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import statistics
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from baselines import PostRopeInt8Pipeline, store_backend
 from kvpos.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE, ApeParams
 from kvpos.data import continuation_items, needle_items, read_jsonl
@@ -150,7 +149,7 @@ def plot_sweep(methods: dict, grid_t: list[float], grid_s: list[float], path: st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, seed=0)
     ap.add_argument("--data", default=None, help="JSONL of {question, passages, answer}; default: built from essays")
     ap.add_argument("--n", type=int, default=40, help="needle items (default data)")
     ap.add_argument("--n-cont", type=int, default=20, help="continuation items (default data)")
@@ -189,12 +188,7 @@ def main() -> None:
     ap.add_argument("--cache-int8", action="store_true",
                     help="add the in-cache int8 methods and their post-RoPE comparison (see above)")
     ap.add_argument("--max-new", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     model, tok = load_model(a.model)
     builder = ChatPromptBuilder(tok, passages_header=a.passages_header.replace("\\n", "\n"), turns=not a.single_message)
     if a.data:

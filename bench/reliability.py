@@ -11,14 +11,13 @@ the full sha256 over every weight, and the O(#tensors) check that decides whethe
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
-from _common import machine, markdown_table, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, write_outputs
 from kvpos.store import WeightsDigest
 from kvpos.integrations.hf import DEFAULT_MODEL_NAME, load_default_model
 
@@ -45,12 +44,9 @@ def fingerprint_cost(reps: int = 3) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, model=False)
     ap.add_argument("--outcomes", required=True, help="JSON written by the fuzz run (KVPOS_FUZZ_REPORT)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     with open(a.outcomes) as f:
         counts = json.load(f)
     rows = []

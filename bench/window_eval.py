@@ -21,7 +21,6 @@ JSON: {"model", "rows": [{"method", "budget", "context", "needle_acc", "ppl", ..
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from _common import machine, markdown_table, plot, write_outputs
+from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from kvpos.data import haystack_ids, needle_prompt
 from kvpos.integrations.hf import PositionedCache, extend, generate, load_model
 from kvpos.integrations.window import WindowBackend, WindowConfig, windowed_prefill
@@ -61,7 +60,7 @@ def nll_of(logits: torch.Tensor, target: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, seed=0, plot=True)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--needles", type=int, default=10)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1])
@@ -75,13 +74,7 @@ def main() -> None:
     ap.add_argument("--question", default="dense", choices=["dense", "sparse"],
                     help="dense: the question (but its last token) is prefilled with full attention, as in Quest / "
                          "A²ATS; sparse: every question token is encoded with each method")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_bench_args(ap)
     model, tok = load_model(a.model)
     ms = methods(a.budgets, a.selectors, a.far_scores)
     acc = {(m, b, c): [] for m, b, _ in ms for c in a.contexts}
