@@ -88,7 +88,7 @@ def scratch_bytes(cache) -> int:
     (read="torch") or the fused kernel's split-K partials and output (read="auto" / "fused")."""
     if not isinstance(cache, PositionedCache) or cache.storage == "rotated":
         return 0
-    raw = cache.layers[0].raw_k
+    raw = cache.layers[0].key_store
     B, H, _, D = raw.shape
     n = cache.num_slots
     specs = {id(x.spec): x.spec for x in cache.layers}

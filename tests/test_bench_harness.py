@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 import contextlib  # noqa: E402
 
+import bench_memory  # noqa: E402
 import pie_eval  # noqa: E402
 import pytest  # noqa: E402
 import rag_eval  # noqa: E402
@@ -247,3 +248,18 @@ def test_pie_gate_replays_the_gate_from_recorded_margins():
     assert pie_gate.replay_pair(pair, "auto", "small") == ("b", 1.5, False)               # agree: trust a
     other = {**pair, "pred": {**pair["pred"], "small": "c"}}
     assert pie_gate.replay_pair(other, "auto", "small") == ("a", 3.5, True)               # disagree: prefix
+
+
+@pytest.mark.parametrize("storage, read", [("rotated", "auto"), ("raw", "auto"), ("raw", "torch"), ("int8", "auto"),
+                                           ("int8", "torch")])
+def test_bench_memory_accounts_every_storage_from_its_own_buffers(storage, read):
+    """bench/bench_memory.py's byte accounting reads each storage's buffers (int8 holds codes, not raw keys)."""
+    from kvpos.integrations.hf import PositionedCache
+
+    model = tiny_model("llama")[0]
+    cache = PositionedCache.from_model(model, storage=storage, read=read)
+    extend(model, cache, torch.randint(3, 128, (1, 40)))
+    held = sum(b.numel() * b.element_size() for l in cache.layers for b in l.buffers() if b is not None)
+    assert bench_memory.cache_bytes(cache) >= held > 0
+    scratch = bench_memory.scratch_bytes(cache)
+    assert (scratch == 0) == (storage == "rotated"), scratch
