@@ -289,3 +289,28 @@ def test_fused_decode_with_offloading_keeps_offloading_layers():
     assert torch.equal(got, ref)
     assert c.read_counts["fused"] == 3 * cfg.num_hidden_layers
     assert calls.count(0) == 4                     # layer 0 offloaded after layer 1 wrote, in each of the 4 forwards
+
+
+@pytest.mark.parametrize("storage", ["raw", "int8"])
+def test_a_stale_hand_off_is_inert_when_a_later_call_reuses_its_keys_address(storage):
+    """A taken hand-off stays in the scope after its step. Once the cache has moved on, an attention call whose keys
+    sit at the hand-off's address (a freed buffer reused, or the same buffer after later writes) must not be judged
+    by it: before, it raised 'a second attention call' and dropped the cache's slots from the old step on."""
+    from kvpos.integrations.hf import extend
+    from kvpos.integrations.hf.scope import pending_handoff
+
+    model = tiny_model("llama")[0]
+    cache = PositionedCache.from_model(model, storage=storage)
+    cache.reserve_(64)                                      # no regrowth: the key buffer keeps its address
+    extend(model, cache, torch.randint(3, 128, (1, 10)))
+    extend(model, cache, torch.randint(3, 128, (1, 1)))    # a decode step: hands raw keys to attention
+    h = pending_handoff()
+    assert h is not None and h.calls == 1 and h.cache_ref() is cache
+    extend(model, cache, torch.randint(3, 128, (1, 5)))    # the cache moves on (16 slots)
+    before = cache.positions.clone()
+    layer = cache.layers[h.layer]
+    module = next(m for m in model.modules() if getattr(m, "layer_idx", None) == h.layer and id(m) in h.modules)
+    keys = layer.key_store[:, :, : layer.n]                 # keys at the stale hand-off's address
+    assert keys.data_ptr() == h.ptr
+    assert h.check_call(module, keys, keys) is False
+    assert torch.equal(cache.positions, before) and cache.num_slots == 16

@@ -137,6 +137,17 @@ class RawHandoff:
             fail(f"raw keys of layer {self.layer}", "their PositionedCache alive", "a dropped cache")
         return cache
 
+    def current(self) -> bool:
+        """Whether the cache still holds exactly the slots it handed out (alive, the layer's `n` slots in the same
+        key buffer). A stale hand-off (the cache moved on: more or fewer slots, a regrown buffer, or a dropped
+        cache) is inert: an attention call whose keys happen to reuse its freed address must not be judged by it,
+        nor its cache's slots dropped."""
+        cache = self.cache_ref()
+        if cache is None:
+            return False
+        l = cache.layers[self.layer]
+        return l.allocated and l.n == self.n and l.key_store.data_ptr() == self.ptr
+
     def matches(self, module: torch.nn.Module, key: torch.Tensor) -> bool:
         return getattr(module, "layer_idx", None) == self.layer and key.data_ptr() == self.ptr \
             and key.shape[2] == self.n
@@ -145,7 +156,7 @@ class RawHandoff:
         """Whether this attention call takes the hand-off (raises if it touches it wrongly)."""
         mine = getattr(module, "layer_idx", None) == self.layer and id(module) in self.modules
         raw_key = key.data_ptr() == self.ptr
-        if not mine or (self.calls and not raw_key) or self.cache_ref() is None:
+        if not mine or (self.calls and not raw_key) or not self.current():
             return False
         why = None
         if self.calls:
