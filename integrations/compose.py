@@ -63,7 +63,7 @@ def encode_chunk(model: torch.nn.Module, anchor: Anchor, ids: Any, fingerprint: 
     """Encode one chunk after the anchor (positions A..A+S-1) and return its raw KV (the anchor's slots excluded)."""
     ids = _ids1d("chunk ids", ids)
     cache = anchor.cache.copy(headroom=ids.numel())
-    extend(model, cache, ids[None])
+    extend(model, cache, ids[None], last_logits=True)
     return ChunkKV.from_raw_kv(ids, cache.raw_kv(anchor.length, cache.num_slots), anchor.length, fingerprint)
 
 

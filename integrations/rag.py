@@ -26,11 +26,13 @@ from kvpos.ape import ApeParams
 from kvpos.prompt import ChatPromptBuilder, PromptParts
 from kvpos.compose import LAYOUTS
 from kvpos.integrations.ape import ApeBackend
-from kvpos.integrations.compose import ChunkComposer, query_aware_refresh
+from kvpos.integrations.compose import ChunkComposer
+from kvpos.integrations.repairs import chunks_read_most, query_aware_refresh, recompute_slots
 from kvpos.cache import storage_mode
 from kvpos.integrations.hf import PositionedCache, extend, generate
 
-__all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "FULL", "PREFIX"]
+__all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "ScoredAnswer", "FULL",
+           "PREFIX"]
 
 @dataclass(frozen=True)
 class RagMethod:
@@ -41,6 +43,10 @@ class RagMethod:
     "sequential" / "parallel": position-independent chunk reuse, with optional repairs: link_k (EPIC), recompute_ratio
     (CacheBlend), attn_ratio (query-aware: the question's attention over the composed cache picks that fraction of
     the chunk tokens, re-encoded in context before the question runs) and optional APE attention (ape: ApeParams).
+    Repairs that re-encode in full context (sequential layout; each re-encoded slot reads every slot before it):
+    tail_k (the last k tokens of every chunk), last_chunks (the m chunks nearest the question, whole),
+    probe_chunks (the m chunks the question reads most, whole: a probe of the question over the composed cache).
+    Order: link_k, recompute_ratio, tail_k, last_chunks / probe_chunks (one forward), attn_ratio.
     storage: the request cache's PositionedCache storage ("rotated", "raw" or "int8": keys and values int8 in the
     cache; with "full" it holds the prompt and the question runs on top of it); "int8" refuses repairs and APE (they
     rewrite or re-read slots the quantized storage writes once)."""
@@ -52,29 +58,40 @@ class RagMethod:
     ape: ApeParams | None = None
     attn_ratio: float = 0.0
     storage: str = "rotated"
+    tail_k: int = 0
+    last_chunks: int = 0
+    probe_chunks: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in ("full", "prefix", *LAYOUTS):
             fail(f"RagMethod {self.name} layout", f"'full', 'prefix' or one of {LAYOUTS}", repr(self.layout))
-        if isinstance(self.link_k, bool) or not isinstance(self.link_k, int) or self.link_k < 0:
-            fail(f"RagMethod {self.name} link_k", "an int >= 0", self.link_k)
+        for knob in ("link_k", "tail_k", "last_chunks", "probe_chunks"):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                fail(f"RagMethod {self.name} {knob}", "an int >= 0", v)
         object.__setattr__(self, "recompute_ratio", check_fraction(f"RagMethod {self.name} recompute_ratio",
                                                                    self.recompute_ratio))
         object.__setattr__(self, "attn_ratio", check_fraction(f"RagMethod {self.name} attn_ratio", self.attn_ratio))
         if self.ape is not None and not isinstance(self.ape, ApeParams):
             fail(f"RagMethod {self.name} ape", "None or an ApeParams", type(self.ape).__name__, exc=TypeError)
-        if self.layout in ("full", "prefix") and (self.link_k or self.recompute_ratio or self.attn_ratio
-                                                  or self.ape is not None):
+        if self.layout in ("full", "prefix") and (self.repairs or self.ape is not None):
             fail(f"RagMethod {self.name}", f"no repairs or APE with layout={self.layout!r} (it is exact)", self)
         storage_mode(self.storage, f"RagMethod {self.name} storage")
         if not self.mode.keeps_rotated and self.layout == "prefix":
             fail(f"RagMethod {self.name} storage", "'rotated' with layout='prefix' (the exact baseline)",
                  repr(self.storage))
-        if self.mode.quantized and (self.link_k or self.recompute_ratio or self.attn_ratio or self.ape is not None):
+        if self.mode.quantized and (self.repairs or self.ape is not None):
             fail(f"RagMethod {self.name}", "no repairs or APE with storage='int8' (they rewrite slots)", self)
-        if self.attn_ratio and self.layout != "sequential":
-            fail(f"RagMethod {self.name} attn_ratio", "layout='sequential' (re-encoded tokens attend to everything "
-                 "before them)", repr(self.layout))
+        for knob in ("attn_ratio", "tail_k", "last_chunks", "probe_chunks"):
+            if getattr(self, knob) and self.layout != "sequential":
+                fail(f"RagMethod {self.name} {knob}", "layout='sequential' (re-encoded tokens attend to everything "
+                     "before them)", repr(self.layout))
+
+    @property
+    def repairs(self) -> bool:
+        """True when any repair re-encodes slots of the composed cache."""
+        return bool(self.link_k or self.recompute_ratio or self.attn_ratio or self.tail_k or self.last_chunks
+                    or self.probe_chunks)
 
     @property
     def mode(self):
@@ -98,6 +115,15 @@ class RagAnswer:
     text: str
     token_ids: list[int]
     report: dict = field(default_factory=dict)
+
+
+@dataclass
+class ScoredAnswer(RagAnswer):
+    """An answer with its scores (RagPipeline.answer_scored): first_logprobs [V] of the first answer token and the
+    gold answer's mean per-token NLL."""
+
+    first_logprobs: torch.Tensor | None = None
+    gold_nll: float | None = None
 
 
 class RagPipeline:
@@ -132,22 +158,35 @@ class RagPipeline:
     def _request(self, parts: PromptParts, method: RagMethod) -> tuple[Any, Any]:
         cache, info = self.composer.compose(parts.chunks, layout=method.layout, link_k=method.link_k,
                                             recompute_ratio=method.recompute_ratio, storage=method.storage)
+        plan, ids = info.plan, torch.cat(parts.chunks)
+        if method.tail_k:
+            self._reencode(cache, info, ids, plan.tail_slots(method.tail_k))
+        if method.last_chunks or method.probe_chunks:
+            n = len(plan.slots)
+            chosen = set(range(max(0, n - method.last_chunks), n))
+            chosen |= set(chunks_read_most(self.model, cache, list(plan.slots), parts.question, method.probe_chunks))
+            info.extra["reencoded_chunks"] = sorted(chosen)
+            self._reencode(cache, info, ids, plan.slots_of(sorted(chosen)))
         if method.attn_ratio:
-            plan = info.plan
             slots = plan.chunk_slots()
-            ids = torch.cat(parts.chunks)
             n = query_aware_refresh(self.model, cache, slots, ids, parts.question, method.attn_ratio,
                                     plan.allowed()[slots])
             info.tokens_computed += n
             info.tokens_reused -= n
         return cache, info
 
+    def _reencode(self, cache: PositionedCache, info: Any, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Re-encode chunk `slots` in place, each reading every slot before it (the full-prefill pattern)."""
+        n = recompute_slots(self.model, cache, slots, ids[slots - info.plan.anchor_len], info.plan.allowed()[slots])
+        info.tokens_computed += n
+        info.tokens_reused -= n
+
     def prime_prefix(self, parts: PromptParts) -> None:
         """Prefill a request's prompt and keep its KV as the prefix cache the next "prefix" request reuses from
         (what a serving engine keeps from the previous request)."""
         cache = PositionedCache.from_model(self.model)
         ids = parts.full_ids()[0]
-        extend(self.model, cache, ids[None])
+        extend(self.model, cache, ids[None], last_logits=True)
         self._prefix = (ids, cache)
 
     def _prefix_request(self, ids: torch.Tensor) -> tuple[PositionedCache, torch.Tensor, int]:
@@ -163,7 +202,7 @@ class RagPipeline:
             cache.crop(lcp - cache.num_slots)
         else:
             cache = PositionedCache.from_model(self.model)
-        logits = extend(self.model, cache, ids[None, lcp:])
+        logits = extend(self.model, cache, ids[None, lcp:], last_logits=True)
         return cache, logits, lcp
 
     def _attention(self, method: RagMethod) -> ApeBackend | None:
@@ -185,12 +224,10 @@ class RagPipeline:
         cache, _ = self._request(parts, method)
         return extend(self.model, cache, q[None], attention=self._attention(method))
 
-    @torch.no_grad()
-    def answer_parts(self, parts: PromptParts, method: RagMethod, max_new_tokens: int = 48) -> RagAnswer:
-        """Greedy answer to a tokenized request with `method`; report: chunks hit/missed, tokens computed/reused,
-        ttft_s (request start to the first token), total_s."""
-        t0 = time.perf_counter()
-        eos = self.tok.eos_token_id
+    def _prompt(self, parts: PromptParts, method: RagMethod) -> tuple[PositionedCache, torch.Tensor, Any, dict]:
+        """Build the request's cache with `method` and run the prompt's last tokens: (cache holding the whole prompt,
+        logits [V] of its last row, the attention backend to continue with, report). report: tokens computed and
+        reused, and for reuse methods chunks hit / missed, fetch_s, compose_s."""
         if not method.reuses:
             ids = parts.full_ids()[0]
             if method.layout == "prefix":
@@ -198,31 +235,68 @@ class RagPipeline:
             else:
                 cache, reused = PositionedCache.from_model(self.model, storage=method.storage), 0
                 if method.mode.keeps_rotated:
-                    logits = extend(self.model, cache, ids[None])
+                    logits = extend(self.model, cache, ids[None], last_logits=True)
                 else:                          # as `score`: the prompt stored, then the question on top of it
-                    extend(self.model, cache, ids[None, : ids.numel() - parts.question.numel()])
-                    logits = extend(self.model, cache, parts.question[None])
-            first = int(logits[0, -1].argmax())
-            ttft = time.perf_counter() - t0
-            if method.layout == "prefix":
-                self._prefix = (ids, cache.copy())
-            gen = self._continue(cache, first, max_new_tokens, None)
-            return RagAnswer(self._decode(gen), gen, {"method": method.name, "tokens_computed": ids.numel() - reused,
-                                                      "tokens_reused": reused, "ttft_s": ttft,
-                                                      "total_s": time.perf_counter() - t0})
+                    extend(self.model, cache, ids[None, : ids.numel() - parts.question.numel()], last_logits=True)
+                    logits = extend(self.model, cache, parts.question[None], last_logits=True)
+            return cache, logits[0, -1], None, {"method": method.name, "tokens_computed": ids.numel() - reused,
+                                                "tokens_reused": reused}
         cache, info = self._request(parts, method)
         attention = self._attention(method)
-        logits = extend(self.model, cache, parts.question[None], attention=attention)
-        first = int(logits[0, -1].argmax())
-        ttft = time.perf_counter() - t0
-        ids = self._continue(cache, first, max_new_tokens, attention)
+        logits = extend(self.model, cache, parts.question[None], attention=attention, last_logits=True)
         report = {"method": method.name, "chunks_hit": info.hits, "chunks_missed": info.misses,
                   "tokens_computed": info.tokens_computed + parts.question.numel(),
                   "tokens_reused": info.tokens_reused + parts.anchor.numel(), "layout": method.layout,
                   "link_k": method.link_k, "recompute_ratio": method.recompute_ratio, "fetch_s": info.fetch_s,
-                  "compose_s": info.compose_s, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+                  "compose_s": info.compose_s, **info.extra,
                   "store": asdict(self.composer.store.stats) | {"events": []}}
+        return cache, logits[0, -1], attention, report
+
+    def _keep_prefix(self, parts: PromptParts, method: RagMethod, cache: PositionedCache) -> None:
+        """A prefix request's prompt KV becomes the prefix cache of the next one (before tokens are generated)."""
+        if method.layout == "prefix":
+            self._prefix = (parts.full_ids()[0], cache.copy())
+
+    @torch.no_grad()
+    def answer_parts(self, parts: PromptParts, method: RagMethod, max_new_tokens: int = 48) -> RagAnswer:
+        """Greedy answer to a tokenized request with `method`; report: chunks hit/missed, tokens computed/reused,
+        ttft_s (request start to the first token), total_s."""
+        t0 = time.perf_counter()
+        cache, last, attention, report = self._prompt(parts, method)
+        first = int(last.argmax())
+        report["ttft_s"] = time.perf_counter() - t0
+        self._keep_prefix(parts, method, cache)
+        ids = self._continue(cache, first, max_new_tokens, attention)
+        report["total_s"] = time.perf_counter() - t0
         return RagAnswer(self._decode(ids), ids, report)
+
+    @torch.no_grad()
+    def answer_scored(self, parts: PromptParts, method: RagMethod, gold: Any,
+                      max_new_tokens: int = 48) -> "ScoredAnswer":
+        """One request, answered and scored (what an evaluation needs, at the cost of one request): the greedy answer
+        as `answer_parts` gives it (report["ttft_s"] times the prompt up to the first token), then the cache cut
+        back to the prompt and the gold answer's token ids `gold` [G] teacher forced on it with the same attention.
+        Returns the answer, the first-token log-probabilities [V] (float32) and the gold answer's mean per-token
+        negative log-likelihood (nats)."""
+        gold = torch.as_tensor(gold, dtype=torch.long).reshape(-1)
+        if gold.numel() == 0:
+            fail("answer_scored gold", "at least one token id", "an empty sequence")
+        t0 = time.perf_counter()
+        cache, last, attention, report = self._prompt(parts, method)
+        first_lp = torch.log_softmax(last.float(), -1)
+        first = int(first_lp.argmax())
+        report["ttft_s"] = time.perf_counter() - t0
+        self._keep_prefix(parts, method, cache)
+        n = cache.num_slots
+        ids = self._continue(cache, first, max_new_tokens, attention)
+        report["total_s"] = time.perf_counter() - t0
+        cache.crop(n - cache.num_slots)
+        lps = first_lp[None]
+        if gold.numel() > 1:
+            more = extend(self.model, cache, gold[None, :-1], attention=attention)[0].float()
+            lps = torch.cat([lps, torch.log_softmax(more, -1)])
+        nll = float(-lps.gather(1, gold[:, None]).mean())
+        return ScoredAnswer(self._decode(ids), ids, report, first_lp, nll)
 
     def _continue(self, cache: PositionedCache, first: int, max_new_tokens: int, attention: Any) -> list[int]:
         """Greedy tokens after the first one (which is not yet in the cache), up to max_new_tokens in all."""

@@ -6,6 +6,7 @@
     attention_mass_of     how much probe tokens placed after the cache (e.g. the question) read each slot
     attention_mass        how much the document's own last tokens read each earlier slot (PIE)
     query_aware_refresh   re-encode the fraction of candidate slots the probe tokens read most (RAG `seq_attn`)
+    chunks_read_most      which whole chunks the probe tokens read most (RAG `probe_chunks`)
     attention_refresh     PIE's pie+attn: re-encode the last tokens and the stale slots they read most
 
 Every repair leaves the cache consistent (a failed forward rolls back) and returns the number of tokens it encoded.
@@ -21,7 +22,7 @@ from kvpos.integrations.hf import AttentionCall, Binding, additive_mask, bind_at
 from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, run_decoder_layers, takes_logits_to_keep
 
 __all__ = ["recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of", "attention_mass",
-           "query_aware_refresh", "attention_refresh"]
+           "query_aware_refresh", "chunks_read_most", "attention_refresh"]
 
 
 def recompute_slots(model: torch.nn.Module, cache: PositionedKV, slots: torch.Tensor, ids: torch.Tensor,
@@ -124,6 +125,22 @@ def query_aware_refresh(model: torch.nn.Module, cache: PositionedKV, candidates:
     else:
         pick = torch.arange(candidates.numel())
     return recompute_slots(model, cache, candidates[pick], ids[pick], allowed[pick])
+
+
+def chunks_read_most(model: torch.nn.Module, cache: PositionedKV, chunk_slots: "list[tuple[int, int]]",
+                     probe_ids: torch.Tensor, m: int) -> list[int]:
+    """Indices (ascending) of the `m` chunks whose slots [start, end) the probe tokens [q] (e.g. the question,
+    placed after the cache) read most: attention mass summed over each chunk's slots (see attention_mass_of).
+    The cache is left as it was."""
+    if check_int("chunks_read_most m", m) < 0:
+        fail("chunks_read_most m", "an int >= 0", m)
+    if m == 0:
+        return []
+    if m >= len(chunk_slots):
+        return list(range(len(chunk_slots)))
+    mass = attention_mass_of(model, cache, probe_ids)
+    per = torch.stack([mass[s:e].sum() for s, e in chunk_slots])
+    return sorted(torch.topk(per, m).indices.tolist())
 
 
 def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, ids: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,22 @@ class LayoutPlan:
         """Every chunk slot [sum S_i], ascending."""
         return torch.arange(self.anchor_len, self.num_slots)
 
+    def tail_slots(self, k: int) -> torch.Tensor:
+        """Slots [K] of the last k tokens of every chunk (in a chat layout with one turn per passage: the turn's
+        closing tokens, which read every passage before them in a full prefill), ascending."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            fail("tail k", "an int >= 0", k)
+        out = [torch.arange(max(s, e - k), e) for s, e in self.slots]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+    def slots_of(self, chunks: Sequence[int]) -> torch.Tensor:
+        """Slots [K] of the chunks with these indices (each whole), ascending."""
+        idx = sorted(set(chunks))
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.slots) for i in idx):
+            fail("chunk indices", f"ints in [0, {len(self.slots)})", list(chunks))
+        out = [torch.arange(*self.slots[i]) for i in idx]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
 
 def plan_layout(anchor_len: int, lengths: Sequence[int], layout: str = "sequential") -> LayoutPlan:
     """Place chunks of `lengths` tokens after an anchor of `anchor_len` slots, in order, under `layout`."""

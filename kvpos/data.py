@@ -6,6 +6,8 @@
   `needle_prompt()`.
 - Continuation items (passages + the real next paragraph): `continuation_items()`.
 - `read_jsonl()` for your own {question, passages, answer} items.
+- Real multi-document QA (HotpotQA dev, SQuAD 2.0 dev) and its scoring: `hotpotqa_items()`, `squad_items()`,
+  `answer_correct()` (kvpos.qa_data, re-exported here).
 
 `tok` arguments are any tokenizer called as tok(text, add_special_tokens=False).input_ids (a transformers tokenizer
 works); nothing here imports an engine.
@@ -22,8 +24,11 @@ from typing import Any, Iterator
 
 import torch
 
+from .qa_data import QA_SPLITS, answer_correct, hotpotqa_items, normalize_answer, split_of, squad_items
+
 __all__ = ["essays_dir", "essays", "paragraphs", "passages", "needle_items", "continuation_items", "read_jsonl",
-           "haystack_ids", "needle_prompt", "PLACES", "LONG_PLACES"]
+           "haystack_ids", "needle_prompt", "PLACES", "LONG_PLACES", "QA_SPLITS", "hotpotqa_items", "squad_items",
+           "split_of", "normalize_answer", "answer_correct"]
 
 
 def essays_dir() -> str:

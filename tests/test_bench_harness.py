@@ -263,3 +263,73 @@ def test_bench_memory_accounts_every_storage_from_its_own_buffers(storage, read)
     assert bench_memory.cache_bytes(cache) >= held > 0
     scratch = bench_memory.scratch_bytes(cache)
     assert (scratch == 0) == (storage == "rotated"), scratch
+
+
+import rag_qa  # noqa: E402
+from kvpos.integrations.rag import RagMethod  # noqa: E402
+
+
+def test_rag_qa_method_names_map_to_the_repairs_they_name():
+    m = rag_qa.method_from_name("sequential+link16+sel15+attn5+tail8+last1+probe2")
+    assert (m.layout, m.link_k, m.recompute_ratio, m.attn_ratio, m.tail_k, m.last_chunks, m.probe_chunks) == \
+        ("sequential", 16, 0.15, 0.05, 8, 1, 2)
+    assert rag_qa.method_from_name("sequential+apeT0.8").ape.temperature == 0.8
+    assert rag_qa.method_from_name("parallel") == RagMethod("parallel", layout="parallel")
+    for bad, match in (("seq", "expected a base"), ("sequential+link", "expected repairs"),
+                       ("sequential+zz3", "expected repairs"), ("parallel+probe1", "expected layout='sequential'")):
+        with pytest.raises(ValueError, match=match):
+            rag_qa.method_from_name(bad)
+
+
+def _rec(i, method, correct, nll, first, ttft, kl=0.0, computed=10):
+    return {"id": f"q{i}", "method": method, "correct": correct, "nll": nll, "first_agree": first, "kl": kl,
+            "agree": first, "ttft_s": ttft, "tokens_computed": computed, "n_tokens": 100}
+
+
+def test_rag_qa_summary_pairs_every_method_with_full_prefill_on_the_same_items():
+    rows = [_rec(0, "full", True, 1.0, True, 4.0, computed=100), _rec(1, "full", False, 2.0, True, 2.0,
+                                                                      computed=100),
+            _rec(0, "sequential", False, 1.5, False, 1.0, kl=0.2), _rec(1, "sequential", True, 2.1, True, 0.5),
+            _rec(2, "sequential", True, 9.0, True, 0.1)]                        # item 2 has no full: not counted
+    s = rag_qa.summarize(rows)
+    seq = s["sequential"]
+    assert seq["n"] == 2 and seq["accuracy"] == 50.0 and seq["acc_vs_full"] == 100.0 and seq["d_acc"] == 0.0
+    assert abs(seq["d_nll"] - 0.3) < 1e-9 and seq["first_agree"] == 50.0 and abs(seq["kl"] - 0.1) < 1e-9
+    assert seq["speedup"] == 4.0 and seq["recomputed"] == 10.0 and s["full"]["recomputed"] == 100.0
+    with pytest.raises(ValueError, match="records: expected full prefill's records"):
+        rag_qa.summarize([r for r in rows if r["method"] != "full"])
+
+
+class _Parts:
+    """A prompt builder stub for QA items: paragraph strings -> char ids, after a fixed anchor."""
+
+    def __init__(self, anchor):
+        self.anchor_ids = anchor
+        self.tok = _CharTok()
+
+    def parts(self, paragraphs, question):
+        ids = lambda s: torch.tensor(self.tok(s).input_ids)   # noqa: E731
+        return PromptParts(self.anchor_ids, [ids(p) for p in paragraphs], ids(question))
+
+
+def test_rag_qa_runs_every_method_once_per_item_and_resumes_from_its_records(tmp_path):
+    model = tiny_model("llama", num_hidden_layers=2)[0]
+    anchor = torch.tensor([5, 6, 7, 8])
+    rag = RagPipeline(model, _CharTok(), builder=_Parts(anchor))
+    items = [{"id": f"q{i}", "question": f"what {i}?", "answers": ["ab"], "gold": [0],
+              "paragraphs": [f"para {i} {j} xyz" for j in range(3)]} for i in range(3)]
+    methods = [rag_qa.method_from_name(n) for n in ("full", "prefix", "sequential", "sequential+probe1")]
+    rec = str(tmp_path / "r.jsonl")
+    meta = {"data": "t", "format": "turns", "split": "calibration", "model": "tiny"}
+    first = rag_qa.run_items(rag, methods, items[:2], 4, rec, 2, meta)
+    assert [(r["id"], r["method"]) for r in first] == [("q0", "full"), ("q0", "prefix"), ("q0", "sequential"),
+                                                      ("q0", "sequential+probe1"), ("q1", "full"),
+                                                      ("q1", "sequential"), ("q1", "sequential+probe1")]
+    full, prefix = first[0], first[1]
+    assert full["kl"] == 0.0 and full["first_agree"] and prefix["kl"] < 1e-6 and prefix["first_agree"]
+    assert first[3]["chunks"] and len(first[3]["chunks"]) == 1
+    again = rag_qa.run_items(rag, methods, items, 4, rec, 2, meta)        # resumes: only q2 runs
+    assert {r["id"] for r in again} == {"q2"}
+    assert len(rag_qa.read_records([rec])) == 7 + 4
+    with pytest.raises(ValueError, match="methods: expected full prefill first"):
+        rag_qa.run_items(rag, methods[1:], items, 4, None, 2, meta)

@@ -44,3 +44,13 @@ def test_splits_are_fixed_by_id_disjoint_and_about_a_fifth_calibration():
 def test_bad_requests_are_refused_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_answers_are_scored_as_squads_normalization_does():
+    from kvpos.data import answer_correct, normalize_answer
+    assert normalize_answer("The  Eiffel Tower, in Paris!") == "eiffel tower in paris"
+    assert answer_correct("It is the Eiffel Tower.", ["Eiffel Tower"])
+    assert answer_correct("1889", ["in 1887", "1889"]) and not answer_correct("1888", ["1889"])
+    assert not answer_correct("anything", ["the", ""])              # a gold that normalizes to nothing never counts
+    with pytest.raises(TypeError, match="answer_correct answers: expected a list"):
+        answer_correct("x", "x")

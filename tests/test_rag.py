@@ -53,3 +53,52 @@ def test_query_aware_repair_of_every_chunk_token_equals_full_and_partial_moves_t
         RagMethod("x", layout="parallel", attn_ratio=0.1)
     with pytest.raises(ValueError, match="RagMethod p: expected no repairs or APE with layout='prefix'"):
         RagMethod("p", layout="prefix", link_k=4)
+
+
+@pytest.mark.parametrize("knobs", [{"last_chunks": 5}, {"probe_chunks": 5}, {"tail_k": 8},
+                                   {"tail_k": 3, "last_chunks": 5}])
+def test_reencoding_every_chunk_in_context_equals_full_prefill(knobs):
+    """A repair that re-encodes every chunk token in full context is full prefill (logits within 1e-4); re-encoding
+    fewer moves the logits toward it. Fails if a re-encoded slot does not read the slots before it."""
+    model, parts, rag = _setup(2)
+    full = rag.score(parts, FULL)
+    seq = rag.score(parts, RagMethod("s"))
+    every = rag.score(parts, RagMethod("every", **knobs))
+    assert (every - full).abs().max() < 1e-4
+    some = {k: max(1, v // 2) if k != "tail_k" else 3 for k, v in knobs.items()}
+    part = rag.score(parts, RagMethod("some", **some))
+    assert 0 < (part - full).abs().max() < (seq - full).abs().max()
+
+
+def test_probe_chunks_reencodes_the_chunks_the_question_reads_most_and_reports_them():
+    model, parts, rag = _setup(3)
+    rag.composer.precompute(parts.chunks, progress=False)
+    ans = rag.answer_parts(parts, RagMethod("p", probe_chunks=2), 4)
+    picked = ans.report["reencoded_chunks"]
+    assert len(picked) == 2 and picked == sorted(picked)
+    assert ans.report["tokens_computed"] == 2 * 8 + parts.question.numel()
+    last = rag.answer_parts(parts, RagMethod("l", last_chunks=2), 4)
+    assert last.report["reencoded_chunks"] == [3, 4]
+    for knob in ("tail_k", "last_chunks", "probe_chunks"):
+        with pytest.raises(ValueError, match=f"RagMethod x {knob}: expected layout='sequential'"):
+            RagMethod("x", layout="parallel", **{knob: 1})
+        with pytest.raises(ValueError, match=f"RagMethod x {knob}: expected an int >= 0"):
+            RagMethod("x", **{knob: -1})
+
+
+@pytest.mark.parametrize("method", [FULL, RagMethod("s"), RagMethod("a", attn_ratio=0.5),
+                                    RagMethod("p", layout="parallel")])
+def test_answer_scored_gives_answer_parts_tokens_and_the_teacher_forced_scores(method):
+    """answer_scored = answer_parts' greedy tokens + score()'s first-token distribution and gold NLL, in one request."""
+    model, parts, rag = _setup(4)
+    gold = torch.tensor([7, 9, 11])
+    got = rag.answer_scored(parts, method, gold, 6)
+    assert got.token_ids == rag.answer_parts(parts, method, 6).token_ids
+    ref = torch.log_softmax(rag.score(parts, method, gold)[0].float(), -1)
+    Q = parts.question.numel()
+    assert (got.first_logprobs - ref[Q - 1]).abs().max() < 1e-4
+    want = float(-ref[Q - 1:Q - 1 + 3].gather(1, gold[:, None]).mean())
+    assert abs(got.gold_nll - want) < 1e-4
+    assert got.report["ttft_s"] > 0 and got.first_logprobs.shape == ref[0].shape
+    with pytest.raises(ValueError, match="answer_scored gold: expected at least one token id"):
+        rag.answer_scored(parts, method, [], 4)

@@ -1,0 +1,239 @@
+"""Chunk reuse on real multi-document questions (SQuAD 2.0 dev, HotpotQA dev): the QA mode of bench/rag_eval.py.
+
+    python bench/rag_eval.py --data squad --n 300 --format turns --records R.jsonl --json results/X.json
+    python bench/rag_eval.py --data hotpotqa --n 300 --format message --shard 0/2 --threads 1 --records R0.jsonl
+    python bench/rag_eval.py --report R0.jsonl R1.jsonl --json results/X.json     # merge shards, table + plot
+
+Every item runs every method on ONE request each (RagPipeline.answer_scored): the greedy answer, the first-token
+distribution and the gold answer teacher forced on the same cache. Per (item, method) a record line is appended to
+--records as soon as the item's methods are done, so a run that is cut off resumes where it stopped.
+
+Measures per method (over the items; paired with full prefill on the same items):
+  accuracy        % answers containing a gold answer (normalized as SQuAD / lost-in-the-middle do)
+  acc_vs_full     accuracy as % of full prefill's; d_acc: difference in points with a paired bootstrap 95% CI
+  nll, d_nll      mean per-token NLL of the (first) gold answer after the question; d_nll = method - full (CI)
+  first_agree     % first answer tokens equal to full prefill's;  kl: mean KL(full || method), first token
+  agree           % answers identical to full prefill's (normalized text)
+  ttft_s          median time to the first token with every chunk already stored (compose + repairs + question)
+  speedup         median over items of full's TTFT / this method's (same item, same process)
+  vs_prefix       median TTFT / exact prefix reuse's (the previous request held the passages in another order;
+                  measured on every --prefix-every'th item)
+  recomputed      mean % of the prompt's tokens computed for the request (question included)
+
+Method names: a base (full, prefix, sequential, parallel) and repairs joined by "+": link<k> (EPIC link tokens),
+sel<pct> (CacheBlend selective recompute), attn<pct> (query-aware re-encode), apeT<t> (APE temperature),
+tail<k> (the last k tokens of every chunk in context), last<m> (the m chunks nearest the question in context),
+probe<m> (the m chunks the question reads most, in context). E.g. "sequential+probe1+tail8".
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import statistics
+import sys
+from typing import Any, Sequence
+
+import torch
+from tqdm import tqdm
+
+from _common import machine, markdown_table, write_outputs
+from kvpos.ape import ApeParams
+from kvpos.data import answer_correct, hotpotqa_items, normalize_answer, squad_items
+from kvpos.integrations.rag import RagMethod, RagPipeline
+
+QA_SETS = ("squad", "squad-hard", "hotpotqa")
+_KNOB = re.compile(r"^(link|sel|attn|apeT|tail|last|probe)(\d+(?:\.\d+)?)$")
+
+
+def method_from_name(name: str) -> RagMethod:
+    """The RagMethod a name of the grammar above stands for (ValueError naming the bad part otherwise)."""
+    base, *knobs = name.split("+")
+    if base not in ("full", "prefix", "sequential", "parallel"):
+        raise ValueError(f"method {name!r}: expected a base full / prefix / sequential / parallel, got {base!r}")
+    kw: dict[str, Any] = {}
+    for k in knobs:
+        m = _KNOB.match(k)
+        if m is None:
+            raise ValueError(f"method {name!r}: expected repairs link<k> sel<pct> attn<pct> apeT<t> tail<k> last<m> "
+                             f"probe<m>, got {k!r}")
+        what, v = m.group(1), m.group(2)
+        if what == "apeT":
+            kw["ape"] = ApeParams(float(v), 1.0)
+        elif what in ("sel", "attn"):
+            kw["recompute_ratio" if what == "sel" else "attn_ratio"] = float(v) / 100
+        else:
+            kw[{"link": "link_k", "tail": "tail_k", "last": "last_chunks", "probe": "probe_chunks"}[what]] = int(v)
+    return RagMethod(name, layout=base, **kw)
+
+
+def load_items(data: str, n: int, split: str, seed: int, distractors: int) -> list[dict]:
+    """`n` items of a QA set's `split`, drawn evenly over the whole set (a fixed seeded sample, in dataset order)."""
+    if data == "hotpotqa":
+        pool = hotpotqa_items(None, split=split)
+    else:
+        pool = squad_items(None, k=distractors, hard=data == "squad-hard", split=split, seed=seed)
+    if n > len(pool):
+        raise ValueError(f"--n: expected at most {len(pool)} {split} items of {data}, got {n}")
+    keep = sorted(random.Random(seed).sample(range(len(pool)), n))
+    return [pool[i] for i in keep]
+
+
+def _done(path: str | None) -> set[str]:
+    if not path or not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {json.loads(line)["id"] for line in f if line.strip()}
+
+
+@torch.no_grad()
+def run_items(rag: RagPipeline, methods: Sequence[RagMethod], items: Sequence[dict], max_new: int,
+              records: str | None, prefix_every: int, meta: dict) -> list[dict]:
+    """Run every method on every item not yet in `records` (appending its lines there); returns the new records."""
+    if methods[0].layout != "full":
+        raise ValueError("methods: expected full prefill first (every other method is compared with it)")
+    tok, done, out = rag.tok, _done(records), []
+    todo = [(i, x) for i, x in enumerate(items) if x["id"] not in done]
+    for idx, item in tqdm(todo, desc=f"rag_qa {meta['data']} {meta['format']}", file=sys.stdout, unit="q"):
+        parts = rag.builder.parts(item["paragraphs"], item["question"])
+        rag.composer.precompute(parts.chunks, progress=False)        # TTFT is measured with every chunk stored
+        gold = torch.tensor(tok(item["answers"][0], add_special_tokens=False).input_ids, dtype=torch.long)
+        n_prompt = parts.full_ids().shape[1]
+        full_lp, full_text, rows = None, None, []
+        for m in methods:
+            if m.layout == "prefix":
+                if idx % prefix_every:
+                    continue
+                order = list(range(len(parts.chunks)))
+                random.Random(idx).shuffle(order)
+                rag.prime_prefix(type(parts)(parts.anchor, [parts.chunks[i] for i in order], parts.question))
+            got = rag.answer_scored(parts, m, gold, max_new)
+            lp = got.first_logprobs
+            if full_lp is None:
+                full_lp, full_text = lp, normalize_answer(got.text)
+            rows.append({**meta, "id": item["id"], "method": m.name, "gold": item["gold"], "n_tokens": n_prompt,
+                         "correct": answer_correct(got.text, item["answers"]), "text": got.text,
+                         "agree": normalize_answer(got.text) == full_text, "first": int(lp.argmax()),
+                         "first_agree": int(lp.argmax()) == int(full_lp.argmax()),
+                         "kl": float((full_lp.exp() * (full_lp - lp)).sum()), "nll": got.gold_nll,
+                         "ttft_s": got.report["ttft_s"], "tokens_computed": got.report["tokens_computed"],
+                         "chunks": got.report.get("reencoded_chunks")})
+        if records:
+            with open(records, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        out += rows
+    return out
+
+
+def read_records(paths: Sequence[str]) -> list[dict]:
+    rows = []
+    for p in paths:
+        with open(p) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def _ci(diffs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap 95% interval of the mean of paired differences."""
+    if len(diffs) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(reps))
+    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per method: the measures of the module docstring, over the items every method ran on (prefix: its own)."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault(r["method"], {})[r["id"]] = r
+    full = by.get("full")
+    if not full:
+        raise ValueError("records: expected full prefill's records (the reference), got none")
+    prefix = by.get("prefix", {})
+    out = {}
+    for name, recs in by.items():
+        ids = [i for i in recs if i in full]
+        get = lambda key, src=recs: [float(src[i][key]) for i in ids]      # noqa: E731
+        acc, acc_f = get("correct"), get("correct", full)
+        nll, nll_f = get("nll"), get("nll", full)
+        t, t_f = get("ttft_s"), get("ttft_s", full)
+        on_p = [i for i in ids if i in prefix]
+        lo, hi = _ci([a - b for a, b in zip(acc, acc_f)])
+        nlo, nhi = _ci([a - b for a, b in zip(nll, nll_f)])
+        out[name] = {
+            "n": len(ids), "accuracy": 100 * statistics.fmean(acc),
+            "acc_vs_full": 100 * sum(acc) / sum(acc_f) if sum(acc_f) else None,
+            "d_acc": 100 * (statistics.fmean(acc) - statistics.fmean(acc_f)), "d_acc_ci": [100 * lo, 100 * hi],
+            "nll": statistics.fmean(nll), "d_nll": statistics.fmean(nll) - statistics.fmean(nll_f),
+            "d_nll_ci": [nlo, nhi], "first_agree": 100 * statistics.fmean(get("first_agree")),
+            "kl": statistics.fmean(get("kl")), "agree": 100 * statistics.fmean(get("agree")),
+            "ttft_s": statistics.median(t), "speedup": statistics.median([b / a for a, b in zip(t, t_f)]),
+            "vs_prefix": statistics.median([recs[i]["ttft_s"] / prefix[i]["ttft_s"] for i in on_p]) if on_p else None,
+            "recomputed": 100 * statistics.fmean([recs[i]["tokens_computed"] / recs[i]["n_tokens"] for i in ids]),
+            "n_tokens": statistics.fmean([recs[i]["n_tokens"] for i in ids]),
+        }
+    return out
+
+
+COLS = ["method", "n", "accuracy", "acc_vs_full", "d_acc", "nll", "d_nll", "first_agree", "kl", "agree", "ttft_s",
+        "speedup", "vs_prefix", "recomputed"]
+
+
+def table(summary: dict[str, dict]) -> str:
+    rows = []
+    for name, r in summary.items():
+        row = {"method": name, **r}
+        row["d_acc"] = f"{r['d_acc']:+.1f} [{r['d_acc_ci'][0]:+.1f}, {r['d_acc_ci'][1]:+.1f}]"
+        row["d_nll"] = f"{r['d_nll']:+.3f} [{r['d_nll_ci'][0]:+.3f}, {r['d_nll_ci'][1]:+.3f}]"
+        rows.append(row)
+    fmt = {c: ".1f" for c in COLS[2:]} | {"nll": ".3f", "kl": ".3f", "ttft_s": ".3f", "speedup": ".2f",
+                                          "vs_prefix": ".2f", "n": "d"}
+    return markdown_table(rows, COLS, fmt)
+
+
+def plot_frontier(summary: dict[str, dict], path: str, title: str) -> None:
+    """Two panels over speedup vs full prefill (log x): accuracy as % of full's, and first-token agreement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for ax, key, label in ((axes[0], "acc_vs_full", "accuracy, % of full prefill"),
+                           (axes[1], "first_agree", "first-token agreement with full (%)")):
+        for name, r in summary.items():
+            x, y = r["speedup"], r[key]
+            if y is None:
+                continue
+            exact = name in ("full", "prefix")
+            ax.scatter([x], [y], marker="*" if exact else "o", s=90 if exact else 30,
+                       color="black" if exact else None, zorder=3)
+            ax.annotate(name.replace("sequential", "seq"), (x, y), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.axhline(100 if key == "acc_vs_full" else 90, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("TTFT speedup vs full prefill (chunks stored)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def report(rows: Sequence[dict], json_path: str | None, extra: dict | None = None) -> dict:
+    """Summarize records, write JSON + markdown table + frontier PNG beside json_path."""
+    summary = summarize(rows)
+    metas = {k: sorted({str(r.get(k)) for r in rows}) for k in ("data", "format", "model", "split")}
+    payload = {**metas, "n_items": len({r["id"] for r in rows}), "machine": machine(), **(extra or {}),
+               "methods": summary}
+    write_outputs(json_path, payload, table(summary))
+    if json_path:
+        title = f"{'/'.join(metas['data'])} {'/'.join(metas['format'])} {'/'.join(metas['split'])}: " \
+                f"{payload['n_items']} questions, {os.path.basename('/'.join(metas['model']))}"
+        plot_frontier(summary, os.path.splitext(json_path)[0] + ".png", title)
+    return payload
+
