@@ -69,14 +69,17 @@ def method_from_name(name: str) -> RagMethod:
 
 
 def load_items(data: str, n: int, split: str, seed: int, distractors: int) -> list[dict]:
-    """`n` items of a QA set's `split`, drawn evenly over the whole set (a fixed seeded sample, in dataset order)."""
+    """`n` items of a QA set's `split`: a fixed seeded sample over the whole set, in the sample's random order.
+
+    The order is the sample's own, not the dataset's, so any first part of a run (a run cut short) is itself a
+    uniform sample of the split; the set of items depends only on (data, n, split, seed, distractors)."""
     if data == "hotpotqa":
         pool = hotpotqa_items(None, split=split)
     else:
         pool = squad_items(None, k=distractors, hard=data == "squad-hard", split=split, seed=seed)
     if n > len(pool):
         raise ValueError(f"--n: expected at most {len(pool)} {split} items of {data}, got {n}")
-    keep = sorted(random.Random(seed).sample(range(len(pool)), n))
+    keep = random.Random(seed).sample(range(len(pool)), n)
     return [pool[i] for i in keep]
 
 

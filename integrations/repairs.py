@@ -93,12 +93,9 @@ class AttentionMassProbe:
         return torch.matmul(w, v).transpose(1, 2).contiguous()
 
 
-@torch.no_grad()
-def attention_mass_of(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
-    """How much tokens `probe_ids` [q], placed after the cache (at `positions` [q], default next_position()..),
-    read each cached slot: their attention probabilities over the N slots (hidden ones get 0), averaged over
-    layers, query heads and probe rows. The cache is left as it was (the probe's slots are cropped). Returns [N]."""
+def _layer_mass(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
+                positions: torch.Tensor | None) -> torch.Tensor:
+    """attention_mass_of per layer: [L, N] (the cache is left as it was)."""
     N = cache.num_slots
     if N == 0 or probe_ids.numel() == 0:
         fail("attention_mass_of", "a non-empty cache and probe", f"{N} slots, {probe_ids.numel()} probe tokens")
@@ -107,7 +104,18 @@ def attention_mass_of(model: torch.nn.Module, cache: PositionedKV, probe_ids: to
         extend(model, cache, probe_ids.reshape(1, -1), positions=positions, attention=probe)
     finally:
         cache.crop(N - cache.num_slots)
-    return torch.stack(probe.mass).mean(0)
+    if not probe.mass:
+        fail("attention_mass_of model", "attention calls through kvpos's attention binding", "none")
+    return torch.stack(probe.mass)
+
+
+@torch.no_grad()
+def attention_mass_of(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+    """How much tokens `probe_ids` [q], placed after the cache (at `positions` [q], default next_position()..),
+    read each cached slot: their attention probabilities over the N slots (hidden ones get 0), averaged over
+    layers, query heads and probe rows. The cache is left as it was (the probe's slots are cropped). Returns [N]."""
+    return _layer_mass(model, cache, probe_ids, positions).mean(0)
 
 
 def query_aware_refresh(model: torch.nn.Module, cache: PositionedKV, candidates: torch.Tensor, ids: torch.Tensor,
@@ -129,17 +137,30 @@ def query_aware_refresh(model: torch.nn.Module, cache: PositionedKV, candidates:
 
 def chunks_read_most(model: torch.nn.Module, cache: PositionedKV, chunk_slots: "list[tuple[int, int]]",
                      probe_ids: torch.Tensor, m: int) -> list[int]:
-    """Indices (ascending) of the `m` chunks whose slots [start, end) the probe tokens [q] (e.g. the question,
-    placed after the cache) read most: attention mass summed over each chunk's slots (see attention_mass_of).
-    The cache is left as it was."""
+    """Indices (ascending) of the `m` chunks (slots [start, end) each) that the probe tokens [q] (the question) read
+    most, with recency taken out. On a copy of the cache every chunk is moved to end right before the probe
+    (positions are data: all chunks at the same distance from it), the probe runs after the cache's last position,
+    and a chunk's score is the mean attention probability over its slots without its first token and its last 5
+    (turn separators; a chunk of 7 tokens or fewer keeps all its slots), averaged over the upper half of the layers,
+    query heads and probe rows. The cache is left as it was.
+
+    Why (calibration questions, experiments/probe_rank.py): at the composed positions the question reads the chunk
+    nearest to it most, whatever it holds, so the rule picked the last chunk; at equal distance the gold passage
+    ranks first far more often (results/probe_rank.md)."""
     if check_int("chunks_read_most m", m) < 0:
         fail("chunks_read_most m", "an int >= 0", m)
     if m == 0:
         return []
     if m >= len(chunk_slots):
         return list(range(len(chunk_slots)))
-    mass = attention_mass_of(model, cache, probe_ids)
-    per = torch.stack([mass[s:e].sum() for s, e in chunk_slots])
+    start = int(cache.positions.max()) + 1
+    equal = cache.copy()
+    for s, e in chunk_slots:
+        equal.set_positions_(s, e, torch.arange(start - (e - s), start, dtype=torch.long))
+    pos = torch.arange(start, start + probe_ids.numel(), dtype=torch.long)
+    mass = _layer_mass(model, equal, probe_ids, pos)
+    mass = mass[mass.shape[0] // 2:].mean(0)
+    per = torch.stack([mass[s + 1:e - 5].mean() if e - s > 7 else mass[s:e].mean() for s, e in chunk_slots])
     return sorted(torch.topk(per, m).indices.tolist())
 
 

@@ -4,6 +4,7 @@ import torch
 
 from kvpos.integrations.rag import FULL, PREFIX, PromptParts, RagMethod, RagPipeline
 from kvpos.integrations.hf.testing import tiny_model
+from kvpos.integrations.repairs import chunks_read_most
 
 
 class _Tok:
@@ -84,6 +85,23 @@ def test_probe_chunks_reencodes_the_chunks_the_question_reads_most_and_reports_t
             RagMethod("x", layout="parallel", **{knob: 1})
         with pytest.raises(ValueError, match=f"RagMethod x {knob}: expected an int >= 0"):
             RagMethod("x", **{knob: -1})
+
+
+def test_probe_chunks_pick_the_same_passages_in_any_order():
+    """chunks_read_most scores every chunk at the same distance from the question (recency taken out), so the
+    passages it picks do not depend on their order; the cache it probes is left as it was. Fails for a rule that
+    scores at the composed positions, where the question reads the nearest chunk most."""
+    model, parts, rag = _setup(5, n=6)
+    parts = PromptParts(parts.anchor, [torch.cat([c, c[:4]]) for c in parts.chunks], parts.question)   # 12 tokens
+    picks = []
+    for order in ([0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 5, 0, 4, 1, 3]):
+        chunks = [parts.chunks[i] for i in order]
+        cache, info = rag.composer.compose(chunks)
+        before = (cache.positions.clone(), cache.layers[0].keys.clone())
+        got = chunks_read_most(model, cache, list(info.plan.slots), parts.question, 2)
+        assert torch.equal(cache.positions, before[0]) and torch.equal(cache.layers[0].keys, before[1])
+        picks.append(sorted(order[i] for i in got))
+    assert picks[0] == picks[1] == picks[2], picks
 
 
 @pytest.mark.parametrize("method", [FULL, RagMethod("s"), RagMethod("a", attn_ratio=0.5),
