@@ -45,7 +45,8 @@ class RagMethod:
     the chunk tokens, re-encoded in context before the question runs) and optional APE attention (ape: ApeParams).
     Repairs that re-encode in full context (sequential layout; each re-encoded slot reads every slot before it):
     tail_k (the last k tokens of every chunk), last_chunks (the m chunks nearest the question, whole),
-    probe_chunks (the m chunks the question reads most, whole: a probe of the question over the composed cache).
+    probe_chunks (the m chunks the question reads most, whole: see repairs.chunks_read_most, which scores every
+    chunk at the same distance from the question).
     Order: link_k, recompute_ratio, tail_k, last_chunks / probe_chunks (one forward), attn_ratio.
     storage: the request cache's PositionedCache storage ("rotated", "raw" or "int8": keys and values int8 in the
     cache; with "full" it holds the prompt and the question runs on top of it); "int8" refuses repairs and APE (they
