@@ -13,9 +13,22 @@ import json
 
 import torch
 
+from kvpos.data import hotpotqa_items, squad_items
+from kvpos.integrations.hf import load_model
 from kvpos.integrations.hf.run import extend
-from kvpos.integrations.repairs import recompute_slots
-from probe_rank import calibration_setup, per_layer_mass        # experiments/ is on sys.path when run as a script
+from kvpos.integrations.rag import RagPipeline
+from kvpos.integrations.repairs import AttentionMassProbe, recompute_slots
+from kvpos.prompt import ChatPromptBuilder
+
+
+def layer_mass(model, cache, probe_ids, positions):
+    N = cache.num_slots
+    probe = AttentionMassProbe(N)
+    try:
+        extend(model, cache, probe_ids.reshape(1, -1), positions=positions, attention=probe)
+    finally:
+        cache.crop(N - cache.num_slots)
+    return torch.stack(probe.mass)
 
 
 def scores_of(model, cache, q, gold):
@@ -32,7 +45,12 @@ def main():
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1])
     a = p.parse_args()
     torch.set_num_threads(1)
-    model, tok, builder, rag, items = calibration_setup(a.data, a.n)
+    model, tok = load_model("smollm2")
+    builder = ChatPromptBuilder(tok, question_prefix="Answer the question from the passages above in a few words.\n"
+                                "Question: ")
+    rag = RagPipeline(model, tok, builder=builder)
+    items = (squad_items(a.n, k=9, split="calibration", seed=0) if a.data == "squad"
+             else hotpotqa_items(a.n, split="calibration"))
     acc = {}
     for it in items:
         parts = builder.parts(it["paragraphs"], it["question"])
@@ -45,11 +63,11 @@ def main():
         slots = plan.chunk_slots()
         P = int(cache0.positions.max()) + 1
         qpos = torch.arange(P, P + parts.question.numel(), dtype=torch.long)
-        comp = per_layer_mass(model, cache0, parts.question, qpos)
+        comp = layer_mass(model, cache0, parts.question, qpos)
         eq_cache = cache0.copy()
         for s, e in plan.slots:
             eq_cache.set_positions_(s, e, torch.arange(P - (e - s), P, dtype=torch.long))
-        eq = per_layer_mass(model, eq_cache, parts.question, qpos)
+        eq = layer_mass(model, eq_cache, parts.question, qpos)
         L = comp.shape[0]
         picks = {"none": None}
         for r in a.ratios:

@@ -31,17 +31,6 @@ def per_layer_mass(model, cache, probe_ids, positions):
     return torch.stack(probe.mass)                                # [L, N]
 
 
-def calibration_setup(data, n):
-    """(model, tok, builder, rag, items): SmolLM2, rag_eval's QA prompt, `n` calibration items of `data`."""
-    model, tok = load_model("smollm2")
-    builder = ChatPromptBuilder(tok, question_prefix="Answer the question from the passages above in a few words.\n"
-                                "Question: ")
-    rag = RagPipeline(model, tok, builder=builder)
-    items = (squad_items(n, k=9, split="calibration", seed=0) if data == "squad"
-             else hotpotqa_items(n, split="calibration"))
-    return model, tok, builder, rag, items
-
-
 def scores(mass, slots):
     L = mass.shape[0]
     out = {}
@@ -65,7 +54,12 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    model, tok, builder, rag, items = calibration_setup(a.data, a.n)
+    model, tok = load_model("smollm2")
+    builder = ChatPromptBuilder(tok, question_prefix="Answer the question from the passages above in a few words.\n"
+                                "Question: ")
+    rag = RagPipeline(model, tok, builder=builder)
+    items = (squad_items(a.n, k=9, split="calibration", seed=0) if a.data == "squad"
+             else hotpotqa_items(a.n, split="calibration"))
     hits = {}
     for it in items:
         parts = builder.parts(it["paragraphs"], it["question"])
