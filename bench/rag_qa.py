@@ -146,6 +146,16 @@ def _ci(diffs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, flo
     return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
 
 
+def _paired(recs: dict, full: dict, ids: Sequence[str], key: str) -> tuple[list[float], list[float]]:
+    """A measure of a method and of full prefill on the items where both took it (a record's null: not taken)."""
+    keep = [i for i in ids if recs[i].get(key) is not None and full[i].get(key) is not None]
+    return [float(recs[i][key]) for i in keep], [float(full[i][key]) for i in keep]
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
 def summarize(rows: Sequence[dict]) -> dict[str, dict]:
     """Per method: the measures of the module docstring, over the items every method ran on (prefix: its own)."""
     by: dict[str, dict[str, dict]] = {}
@@ -158,20 +168,20 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
     out = {}
     for name, recs in by.items():
         ids = [i for i in recs if i in full]
-        get = lambda key, src=recs: [float(src[i][key]) for i in ids]      # noqa: E731
-        acc, acc_f = get("correct"), get("correct", full)
-        nll, nll_f = get("nll"), get("nll", full)
-        t, t_f = get("ttft_s"), get("ttft_s", full)
+        acc, acc_f = _paired(recs, full, ids, "correct")
+        nll, nll_f = _paired(recs, full, ids, "nll")
+        t, t_f = _paired(recs, full, ids, "ttft_s")
         on_p = [i for i in ids if i in prefix]
         lo, hi = _ci([a - b for a, b in zip(acc, acc_f)])
         nlo, nhi = _ci([a - b for a, b in zip(nll, nll_f)])
+        mean = lambda key: _mean(_paired(recs, full, ids, key)[0])      # noqa: E731
         out[name] = {
             "n": len(ids), "accuracy": 100 * statistics.fmean(acc),
             "acc_vs_full": 100 * sum(acc) / sum(acc_f) if sum(acc_f) else None,
             "d_acc": 100 * (statistics.fmean(acc) - statistics.fmean(acc_f)), "d_acc_ci": [100 * lo, 100 * hi],
-            "nll": statistics.fmean(nll), "d_nll": statistics.fmean(nll) - statistics.fmean(nll_f),
-            "d_nll_ci": [nlo, nhi], "first_agree": 100 * statistics.fmean(get("first_agree")),
-            "kl": statistics.fmean(get("kl")), "agree": 100 * statistics.fmean(get("agree")),
+            "nll": _mean(nll), "d_nll": _mean(nll) - _mean(nll_f),
+            "d_nll_ci": [nlo, nhi], "first_agree": 100 * mean("first_agree"),
+            "kl": mean("kl"), "agree": 100 * mean("agree"),
             "ttft_s": statistics.median(t), "speedup": statistics.median([b / a for a, b in zip(t, t_f)]),
             "vs_prefix": statistics.median([recs[i]["ttft_s"] / prefix[i]["ttft_s"] for i in on_p]) if on_p else None,
             "recomputed": 100 * statistics.fmean([recs[i]["tokens_computed"] / recs[i]["n_tokens"] for i in ids]),

@@ -129,6 +129,25 @@ def test_failed_loads_are_reported_with_their_reason_and_not_counted():
     assert rep["load_failed"] == ["segment 2 tokens [30, 50): corrupt: checksum mismatch"]
 
 
+def test_a_request_finished_in_the_step_of_its_loads_reports_them_once_the_worker_report_comes():
+    """vLLM finishes a one-token request (and hands the connector its report) before it passes on that step's
+    worker report: the report it returned is completed in place then, failures included."""
+    backend = MemoryBackend()
+    side, store_of = _side(backend)
+    req = _request(backend, store_of)
+    side.matched_tokens(req, 0)
+    side.after_alloc(req, [0, 1, 2, 3, 4], 64)
+    meta = side.build(_output(new=[_new(req, [0, 1, 2, 3, 4], 0)], scheduled={"r1": 73}))
+    rep = side.finished(req)                                # the order of vLLM's update_from_output
+    assert rep["loaded_tokens"] == 0 and rep["claimed_tokens"] == 64
+    side.take_report(WorkerReport({"r1": [(io.index, io.lo, io.hi, "missing" if io.index == 3 else None)
+                                          for io in meta.loads]}))
+    assert rep["loaded_tokens"] == 50 and rep["loaded_segments"] == 3
+    assert rep["load_failed"] == ["segment 3 tokens [50, 64): missing"]
+    side.take_report(WorkerReport({}))                      # settled once: later reports leave it alone
+    assert rep["loaded_tokens"] == 50 and side.unsettled == {}
+
+
 def test_the_claim_agrees_with_what_the_worker_finds():
     """A passage stored under another anchor, or by another model, is not claimed (the worker would miss)."""
     backend = MemoryBackend()

@@ -119,6 +119,9 @@ class SchedulerSide:
         self.plans: dict[str, Plan] = {}
         self.to_load: set[str] = set()
         self.worker_memory: frozenset = frozenset()   # keys the worker's memory tier held at its last report
+        # reports of requests that finished in the step their loads ran: vLLM finishes requests before it hands
+        # the connector that step's worker report, so they are completed (in place) when the report comes
+        self.unsettled: dict[str, tuple[Plan, int, dict]] = {}
 
     # -- asked by vLLM ------------------------------------------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -241,13 +244,17 @@ class SchedulerSide:
 
     def take_report(self, report: WorkerReport | None) -> None:
         """The workers' report of a step: load outcomes into the plans, the memory tier's keys."""
+        unsettled, self.unsettled = self.unsettled, {}
         if report is None:
             return
         for req_id, outcomes in report.loads.items():
-            plan = self.plans.get(req_id)
+            plan = self.plans.get(req_id) or (unsettled[req_id][0] if req_id in unsettled else None)
             if plan is not None:
                 for i, lo, hi, why in outcomes:
                     plan.outcomes[(i, lo, hi)] = why
+        for plan, preemptions, out in unsettled.values():
+            out.clear()
+            out.update(plan.report(preemptions))
         if report.memory_keys is not None:
             self.worker_memory = report.memory_keys
 
@@ -257,4 +264,8 @@ class SchedulerSide:
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None
-        return plan.report(int(getattr(request, "num_preemptions", 0) or 0))
+        preemptions = int(getattr(request, "num_preemptions", 0) or 0)
+        out = plan.report(preemptions)
+        if any(k not in plan.outcomes for k in plan.issued):
+            self.unsettled[request.request_id] = (plan, preemptions, out)
+        return out

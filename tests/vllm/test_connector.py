@@ -79,6 +79,45 @@ def test_reordered_passages_equal_kvpos_transformers_path(engine, tok):
     assert "6180" in tok.decode(got)
 
 
+def test_gold_answer_scored_on_loaded_passages_equals_transformers_path(engine, tok):
+    """bench/vllm_qa.py scores a gold answer with prompt_logprobs on a request whose passages the connector loads
+    (prompt_logprobs would make vLLM skip every load unless skip_reading_prefix_cache=False): the loads happen and
+    the gold NLL and first-token argmax equal kvpos's transformers path over the same loaded run."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from vllm_qa import gold_scores
+    from transformers import AutoModelForCausalLM
+
+    from kvpos.integrations.compose import ChunkComposer
+    from kvpos.integrations.hf import extend
+
+    rb = RequestBuilder(tok)
+    ps = _passages(tok, 4, seed=15)
+    ps[1] += " The ferry to the island leaves at 7:40 every morning."
+    precompute(engine, rb, ps, progress=False)
+    order = [2, 1, 3, 0]
+    prompt, params = rb.request([ps[i] for i in order], "When does the ferry to the island leave?", salt="gold")
+    gold = tok(" It leaves at 7:40 every morning.", add_special_tokens=False).input_ids
+    n = len(prompt["prompt_token_ids"])
+    forced = {**prompt, "prompt_token_ids": prompt["prompt_token_ids"] + gold}
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, skip_reading_prefix_cache=False,
+                        detokenize=False, extra_args={"kv_transfer_params": {"kvpos": {**params["kvpos"],
+                                                                                        "save": False}}})
+    out = engine.generate(forced, sp, use_tqdm=False)[0]
+    loaded = out.kv_transfer_params["kvpos"]["loaded_tokens"]
+    assert loaded >= 384, str(out.kv_transfer_params)
+    nll, first = gold_scores(out, n, gold)
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    parts = rb.parts([ps[i] for i in order], "When does the ferry to the island leave?")
+    cache, _ = ChunkComposer(model, parts.anchor).compose(parts.chunks, layout="sequential")
+    cache.crop(loaded - cache.num_slots)
+    rest = torch.tensor(forced["prompt_token_ids"][loaded:-1])
+    lps = torch.log_softmax(extend(model, cache, rest[None])[0].float(), -1)[n - 1 - loaded:]
+    ref = float(-lps.gather(1, torch.tensor(gold)[:, None]).mean())
+    assert abs(nll - ref) < 2e-3, (nll, ref)
+    assert first == int(lps[0].argmax())
+
+
 def test_requests_that_cannot_be_served_exactly_are_refused_with_a_reason(engine, tok):
     rb = RequestBuilder(tok)
     prompt, params = rb.request(_passages(tok, 2, seed=13), "Anything?")
