@@ -208,19 +208,22 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp-context", type=int, default=2048)
     ap.add_argument("--tp-tokens", type=int, default=32)
     ap.add_argument("--store", default=None, help="redis://host:port/db (default: a private redis-server)")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=None, help="default 1; with --data 0 (the items bench/rag_eval.py runs)")
     ap.add_argument("--json", default=None)
     qa = ap.add_argument_group("real questions (instead of the TTFT / needle / throughput runs)")
     qa.add_argument("--data", choices=["squad", "squad-hard", "hotpotqa"], default=None)
     qa.add_argument("--n", type=int, default=100, help="questions (a fixed seeded sample of the split)")
     qa.add_argument("--split", choices=["calibration", "heldout"], default="heldout")
     qa.add_argument("--distractors", type=int, default=9, help="SQuAD distractor paragraphs")
+    qa.add_argument("--borrow", type=int, default=0, help="HotpotQA: distractors borrowed from other questions")
     qa.add_argument("--format", choices=["turns", "message"], default="turns")
+    qa.add_argument("--instruction", default=None, help="before 'Question: ' (default: bench/rag_eval.py's)")
     qa.add_argument("--max-new", type=int, default=24)
     qa.add_argument("--prefix-every", type=int, default=5, help="prefix caching and Redis on every k-th question")
     qa.add_argument("--records", default=None, help="JSONL appended per question (a cut-off run resumes)")
     qa.add_argument("--report", nargs="+", default=None, help="only summarize these records")
     a = ap.parse_args(argv)
+    a.seed = (0 if a.data else 1) if a.seed is None else a.seed
     if a.report:
         return a
     for name in ("contexts", "passage_tokens", "reps", "concurrent", "tp_context", "tp_tokens", "acc_tokens", "n",
@@ -261,12 +264,13 @@ def run_qa(a: argparse.Namespace, store: str) -> dict:
     from kvpos.integrations.vllm.requests import RequestBuilder
 
     tok = AutoTokenizer.from_pretrained(a.model)
-    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors)
-    rb = RequestBuilder(tok, turns=a.format == "turns")
+    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors, a.borrow)
+    instruction = rag_qa.INSTRUCTION if a.instruction is None else a.instruction
+    rb = RequestBuilder(tok, turns=a.format == "turns", question_prefix=rag_qa.question_prefix(instruction))
     longest = max(len(rb.request(x["paragraphs"], x["question"])[0]["prompt_token_ids"]) for x in items)
     max_len = 1 << (longest + a.max_new + 64).bit_length()
     llm = _engine(a.model, store, max_len, 8, max_logprobs=vllm_qa.FULL_VOCAB, disable_log_stats=False)
-    meta = {"data": a.data if a.data != "squad" or a.distractors == 9 else f"squad{a.distractors}",
+    meta = {"data": a.data,
             "format": a.format, "model": os.path.basename(a.model.rstrip("/")), "split": a.split,
             "engine": "vllm", "run": f"{a.data}-{a.format}-{a.seed}"}
     return {"rows": vllm_qa.run_items(llm, rb, tok, items, a.max_new, a.records, a.prefix_every, meta)}

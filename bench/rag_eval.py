@@ -247,7 +247,6 @@ def main() -> None:
         plot_sweep(res, a.grid_t, a.grid_s, a.json.rsplit(".", 1)[0] + ".png")
 
 
-QA_INSTRUCTION = "Answer the question from the passages above in a few words."
 QA_METHODS = ["full", "prefix", "sequential", "parallel", "sequential+link16", "sequential+sel15",
               "sequential+attn5", "sequential+apeT0.8"]
 
@@ -261,7 +260,9 @@ def qa_arguments(ap) -> None:
                    help="one user turn per passage (turns) or every passage in one user message (message)")
     g.add_argument("--methods", nargs="+", default=QA_METHODS, help="method names (bench/rag_qa.py grammar)")
     g.add_argument("--distractors", type=int, default=9, help="SQuAD: distractor paragraphs besides the gold one")
-    g.add_argument("--instruction", default=QA_INSTRUCTION, help="text before 'Question: ' in the last turn")
+    g.add_argument("--borrow", type=int, default=0,
+                   help="HotpotQA: distractors borrowed from other questions, besides its own 8 (longer contexts)")
+    g.add_argument("--instruction", default=rag_qa.INSTRUCTION, help="text before 'Question: ' in the last turn")
     g.add_argument("--records", default=None, help="JSONL of per-(item, method) records; resumes from it")
     g.add_argument("--shard", default="0/1", help="i/n: run items i, i+n, i+2n, ...")
     g.add_argument("--prefix-every", type=int, default=5, help="measure exact prefix reuse on every k-th item")
@@ -273,9 +274,8 @@ def run_qa(a, model, tok) -> None:
     if not 0 <= shard < n_shards:
         raise ValueError(f"--shard: expected i/n with 0 <= i < n, got {a.shard!r}")
     methods = [rag_qa.method_from_name(m) for m in a.methods]
-    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors)[shard::n_shards]
-    builder = ChatPromptBuilder(tok, question_prefix=f"{a.instruction}\nQuestion: " if a.instruction else
-                                "Question: ", turns=a.format == "turns")
+    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors, a.borrow)[shard::n_shards]
+    builder = ChatPromptBuilder(tok, question_prefix=rag_qa.question_prefix(a.instruction), turns=a.format == "turns")
     rag = RagPipeline(model, tok, builder=builder)
     meta = {"data": a.data, "format": a.format, "split": a.split, "model": getattr(model, "name_or_path", "?")}
     rows = rag_qa.run_items(rag, methods, items, a.max_new, a.records, a.prefix_every, meta)

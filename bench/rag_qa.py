@@ -68,13 +68,23 @@ def method_from_name(name: str) -> RagMethod:
     return RagMethod(name, layout=base, **kw)
 
 
-def load_items(data: str, n: int, split: str, seed: int, distractors: int) -> list[dict]:
+INSTRUCTION = "Answer the question from the passages above in a few words."
+
+
+def question_prefix(instruction: str) -> str:
+    """What comes before the question in the last user turn (the same for the transformers and vLLM harnesses)."""
+    return f"{instruction}\nQuestion: " if instruction else "Question: "
+
+
+def load_items(data: str, n: int, split: str, seed: int, distractors: int, borrow: int = 0) -> list[dict]:
     """`n` items of a QA set's `split`: a fixed seeded sample over the whole set, in the sample's random order.
 
     The order is the sample's own, not the dataset's, so any first part of a run (a run cut short) is itself a
-    uniform sample of the split; the set of items depends only on (data, n, split, seed, distractors)."""
+    uniform sample of the split; the set of items depends only on (data, n, split, seed, distractors, borrow)."""
+    if borrow and data != "hotpotqa":
+        raise ValueError(f"--borrow: expected 0 for {data} (SQuAD takes --distractors), got {borrow}")
     if data == "hotpotqa":
-        pool = hotpotqa_items(None, split=split)
+        pool = hotpotqa_items(None, split=split, borrowed=borrow, seed=seed)
     else:
         pool = squad_items(None, k=distractors, hard=data == "squad-hard", split=split, seed=seed)
     if n > len(pool):

@@ -82,11 +82,34 @@ def _field(v: Any) -> Any:
     return ast.literal_eval(v) if isinstance(v, str) else v
 
 
-def hotpotqa_items(n: int | None = None, split: str | None = "heldout") -> list[dict]:
-    """HotpotQA dev questions with 10 titled paragraphs (2 gold), in the dataset's order: the first `n` of `split`."""
+def _borrow(ctx: list, pool: list, k: int, rng: random.Random) -> list:
+    """`ctx` ([title, sentences] pairs) with `k` paragraphs of other questions (titles not in ctx) inserted at random
+    places; the own paragraphs keep their order."""
+    own = {t for t, _ in ctx}
+    picked: list = []
+    while len(picked) < k:
+        t, s = pool[rng.randrange(len(pool))]
+        if t not in own:
+            own.add(t)
+            picked.append([t, s])
+    out = list(ctx)
+    for p in picked:
+        out.insert(rng.randrange(len(out) + 1), p)
+    return out
+
+
+def hotpotqa_items(n: int | None = None, split: str | None = "heldout", borrowed: int = 0,
+                   seed: int = 0) -> list[dict]:
+    """HotpotQA dev questions with 10 titled paragraphs (2 gold), in the dataset's order: the first `n` of `split`.
+    `borrowed` > 0: that many more distractors, paragraphs of other questions (titles not among the question's
+    own), inserted at places drawn from `seed` (for longer contexts; 0 gives the dataset's items unchanged)."""
     _check_request("hotpotqa_items", n, split)
+    if check_int("hotpotqa_items borrowed", borrowed) < 0:
+        fail("hotpotqa_items borrowed", "an int >= 0 (extra distractor paragraphs)", borrowed)
     with open(os.path.join(qa_data_dir(), "hotpotqa.json")) as f:
         raw = json.load(f)
+    pool = list({t: s for x in raw for t, s in _field(x["context"])}.items()) if borrowed else []
+    rng = random.Random(seed)
     out = []
     for x in raw:
         if split is not None and split_of(x["_id"]) != split:
@@ -94,6 +117,7 @@ def hotpotqa_items(n: int | None = None, split: str | None = "heldout") -> list[
         ctx = _field(x["context"])
         if len(ctx) != 10:
             continue
+        ctx = _borrow(ctx, pool, borrowed, rng) if borrowed else ctx
         gold_titles = {t for t, _ in _field(x["supporting_facts"])}
         out.append({"id": x["_id"], "question": x["question"], "answers": [x["answer"]],
                     "paragraphs": [f"{t}: {' '.join(s).strip()}" for t, s in ctx],

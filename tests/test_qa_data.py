@@ -15,6 +15,18 @@ def test_hotpotqa_items_have_ten_titled_paragraphs_with_the_supporting_ones_mark
     assert all(len(x["gold"]) == 2 for x in items[:200])
 
 
+def test_hotpotqa_items_with_borrowed_distractors_keep_their_own_paragraphs_in_order_and_gold_marked():
+    plain = hotpotqa_items(50, split="heldout")
+    more = hotpotqa_items(50, split="heldout", borrowed=12, seed=2)
+    assert [x["id"] for x in more] == [x["id"] for x in plain]
+    for p, m in zip(plain, more):
+        assert len(m["paragraphs"]) == 22 and len(set(m["paragraphs"])) == 22
+        assert [q for q in m["paragraphs"] if q in p["paragraphs"]] == p["paragraphs"]
+        assert [m["paragraphs"][i] for i in m["gold"]] == [p["paragraphs"][i] for i in p["gold"]]
+    assert {x["gold"][0] for x in more} != {x["gold"][0] for x in plain}     # the gold pair moves too
+    assert hotpotqa_items(50, split="heldout", borrowed=0, seed=2) == plain
+
+
 @pytest.mark.parametrize("hard", [False, True])
 def test_squad_items_hold_the_gold_paragraph_among_k_distractors(hard):
     items = squad_items(300, k=9, hard=hard, split=None, seed=1)
@@ -40,6 +52,7 @@ def test_splits_are_fixed_by_id_disjoint_and_about_a_fifth_calibration():
     (lambda: squad_items(split="test"), "squad_items split: expected 'calibration' or 'heldout'"),
     (lambda: squad_items(k=-1), "squad_items k: expected an int >= 0"),
     (lambda: hotpotqa_items(n=-2), "hotpotqa_items n: expected an int >= 0"),
+    (lambda: hotpotqa_items(borrowed=-1), "hotpotqa_items borrowed: expected an int >= 0"),
 ])
 def test_bad_requests_are_refused_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
