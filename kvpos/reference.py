@@ -11,7 +11,7 @@ import torch
 from .rope import RopeLayout, RopeSpec
 
 __all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "dequant_q8_ref", "decode_q8_ref",
-           "ape_merge_ref", "windowed_score_ref"]
+           "ape_merge_ref", "windowed_score_ref", "distance_attend_ref"]
 
 
 def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
@@ -130,3 +130,24 @@ def windowed_score_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, r: int, spec: R
     qr = rotation_matrix_ref(r, spec) @ q_raw.double()
     k0 = k_raw.double() @ rotation_matrix_ref(0, spec).T
     return k0 @ qr
+
+
+def distance_attend_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, dist: torch.Tensor,
+                        keep: torch.Tensor, spec: RopeSpec, scale: float) -> torch.Tensor:
+    """Attention with an explicit distance per (query, key): score = scale * (s R_d q) . (s R_0 k), the score of the
+    key placed d positions before the query, softmax over `keep`. q_raw [B, Hq, S, D] unrotated queries, k_raw /
+    v [B, H, T, D] (GQA: Hq % H == 0), dist [B|1, S, T] int64, keep [B|1, S, T] bool. Returns float64 [B, Hq, S, D]
+    (rows with nothing kept are 0)."""
+    q, k, v = q_raw.double(), k_raw.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    B, Hq, S, _ = q.shape
+    dist, keep = dist.expand(B, S, k.shape[2]), keep.expand(B, S, k.shape[2])
+    k0 = k @ rotation_matrix_ref(0, spec).T
+    s = torch.full((B, Hq, S, k.shape[2]), float("-inf"), dtype=torch.float64)
+    for d in torch.unique(dist[keep]).tolist():
+        at = (dist == d) & keep                                              # [B, S, T]
+        qd = q @ rotation_matrix_ref(int(d), spec).T
+        s = torch.where(at[:, None], (qd @ k0.transpose(-1, -2)) * scale, s)
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    return w @ v

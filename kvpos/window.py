@@ -38,7 +38,7 @@ from .quant import int8_codes
 from ._kernels import score_int8_kernel, topk_indices, transpose_int8_blocks
 from .rope import RopeSpec, _apply, cos_sin
 
-__all__ = ["WindowConfig", "SELECTORS", "far_query", "window_regions", "windowed_attend", "quantize_keys",
+__all__ = ["WindowConfig", "SELECTORS", "lm_infinite", "streaming_llm", "string_shift", "far_query", "window_regions", "windowed_attend", "quantize_keys",
            "int8_scores", "block_bounds", "block_upper_bounds", "BlockIndex", "FarStore", "sparse_decode_attention",
            "index_recall"]
 
@@ -53,6 +53,13 @@ class WindowConfig:
     far_scores: attention logits of the SELECTED far keys, "exact" (true positions, A²ATS) or "windowed" (fixed
         distance r, InfLLM/ReRoPE style: no distance > r is ever seen).
     dense_layers: the first n layers attend densely (Quest and A²ATS leave layers 0-1 dense).
+    sink_distance: the distance sinks OUTSIDE a query's window are scored at: None (their true one), an int L (every
+        sink at distance L: LM-Infinite's distance ceiling), or "renumbered" (sink j at sinks + window - 1 - j, its
+        distance once the middle is evicted and the cache renumbered: StreamingLLM). Sinks inside the window and
+        the window's keys keep their true distances.
+    shift: with far_scores="shifted", far keys are scored AND attended at their true distance minus `shift` (STRING:
+        window = S, shift = S - W, so a distance d >= S is read as d - S + W).
+    The length policies are named constructors: lm_infinite(), streaming_llm(), string_shift().
     """
 
     sinks: int = 8
@@ -64,6 +71,8 @@ class WindowConfig:
     true_distance: bool = False
     far_scores: str = "exact"
     dense_layers: int = 0
+    sink_distance: int | str | None = None
+    shift: int = 0
 
     def __post_init__(self) -> None:
         for what in ("sinks", "window", "distance", "block", "dense_layers"):
@@ -72,8 +81,16 @@ class WindowConfig:
                 fail(f"WindowConfig.{what}", "an int >= 0" if what != "block" else "an int >= 1", v)
         if self.selector not in SELECTORS:
             fail("WindowConfig.selector", f"one of {SELECTORS}", repr(self.selector))
-        if self.far_scores not in ("exact", "windowed"):
-            fail("WindowConfig.far_scores", "'exact' or 'windowed'", repr(self.far_scores))
+        if self.far_scores not in ("exact", "windowed", "shifted"):
+            fail("WindowConfig.far_scores", "'exact', 'windowed' or 'shifted'", repr(self.far_scores))
+        if self.far_scores == "shifted" and self.selector not in ("all", "exact", "none"):
+            fail("WindowConfig.selector", "'all', 'exact' or 'none' with far_scores='shifted' (the index selectors "
+                 "score raw keys at a fixed distance)", repr(self.selector))
+        if not isinstance(self.shift, int) or isinstance(self.shift, bool) or self.shift < 0:
+            fail("WindowConfig.shift", "an int >= 0", self.shift)
+        d = self.sink_distance
+        if d is not None and d != "renumbered" and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
+            fail("WindowConfig.sink_distance", "None, an int >= 0 or 'renumbered'", repr(d))
         if self.selector == "store" and self.far_scores != "windowed":
             fail("WindowConfig.far_scores", "'windowed' with selector='store' (the far store attends the selected keys "
                  "at the fixed distance)", repr(self.far_scores))
@@ -99,6 +116,57 @@ def far_query(q_h: torch.Tensor, q_pos: torch.Tensor, spec: RopeSpec, distance: 
     s^2 (R_r q)_rot . k_rot + q_pass . k_pass. q_h [B, Hq, q, D] rotated at q_pos [B, q]; returns float32."""
     c, s = cos_sin((distance - q_pos).to(torch.long), spec)     # angles may be negative: cos/sin handle it
     return _apply(q_h.float(), c[:, None], s[:, None], spec, spec.attention_scaling)
+
+
+def lm_infinite(local: int, n_global: int = 10, distance: int | None = None, top_k: float | int = 0
+                ) -> WindowConfig:
+    """LM-Infinite: a Lambda-shaped mask (the first `n_global` tokens and the last `local` ones) with the global
+    tokens outside the window scored at distance `distance` (default `local`, the trained length); top_k > 0 adds
+    that many (or that fraction of) middle tokens, chosen and scored at the same fixed distance."""
+    d = local if distance is None else distance
+    return WindowConfig(sinks=n_global, window=local, sink_distance=d, distance=d, budget=top_k,
+                        selector="exact" if top_k else "none", far_scores="windowed")
+
+
+def streaming_llm(window: int, sinks: int = 4) -> WindowConfig:
+    """StreamingLLM: `sinks` first tokens + the last `window`, the middle not attended (evictable: nothing reads it),
+    the sinks at the distance they would have once the cache is renumbered (window keys keep theirs; on a cache whose
+    slots hold consecutive positions that is exactly StreamingLLM's renumbering)."""
+    return WindowConfig(sinks=sinks, window=window, sink_distance="renumbered", selector="none")
+
+
+def string_shift(shifted_offset: int, local: int = 128) -> WindowConfig:
+    """STRING: every key at distance d >= shifted_offset is read at d - shifted_offset + local (well-trained
+    distances reused for far keys), nearer keys at their own; all keys attended, no sinks. (STRING's logit
+    temperature, x1.14, is not applied.)"""
+    if not isinstance(local, int) or isinstance(local, bool) or not 0 <= local <= shifted_offset:
+        fail("string_shift local", f"an int in [0, shifted_offset={shifted_offset}]", local)
+    return WindowConfig(sinks=0, window=shifted_offset, far_scores="shifted", shift=shifted_offset - local,
+                        selector="all")
+
+
+def _turned(q_h: torch.Tensor, by: int, spec: RopeSpec) -> torch.Tensor:
+    """q_h [B, Hq, q, D] turned by `by` positions (no scaling): float32."""
+    c, s = cos_sin(torch.full(q_h.shape[:1] + q_h.shape[2:3], by, dtype=torch.long, device=q_h.device), spec)
+    return _apply(q_h.float(), c[:, None], s[:, None], spec, 1.0)
+
+
+def _sink_scores_(s: torch.Tensor, q_h: torch.Tensor, k_raw: torch.Tensor, q_pos: torch.Tensor, spec: RopeSpec,
+                  cfg: WindowConfig, sm_scale: float) -> None:
+    """Rescore in place the sink columns of s [B, H, G, q, N] for rows whose window does not reach them, at
+    cfg.sink_distance (module docstring of WindowConfig)."""
+    B, H, g, Lq, N = s.shape
+    rows = torch.arange(N - Lq, N, device=s.device)
+    by_distance: dict[int, torch.Tensor] = {}
+    for j in range(min(cfg.sinks, N)):
+        out = (rows - j) >= cfg.window                                        # [q] this sink is outside the window
+        if not bool(out.any()):
+            continue
+        d = cfg.sinks + cfg.window - 1 - j if cfg.sink_distance == "renumbered" else cfg.sink_distance
+        if d not in by_distance:
+            by_distance[d] = far_query(q_h, q_pos, spec, d).reshape(B, H, g * Lq, -1)
+        sj = (by_distance[d] @ k_raw[:, :, j:j + 1].float().transpose(-1, -2)).view(B, H, g, Lq) * sm_scale
+        s[..., j] = torch.where(out, sj, s[..., j])
 
 
 def window_regions(N: int, Lq: int, cfg: WindowConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,9 +268,15 @@ def windowed_attend(q_h: torch.Tensor, k_rot: torch.Tensor, k_raw: torch.Tensor,
     qg = q_h.float().reshape(B, H, g * Lq, D)
     s_true = (qg @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale   # true-position scores
     s_exact = s_true
+    if cfg.sink_distance is not None and not cfg.true_distance:
+        s_exact = s_true.clone()
+        _sink_scores_(s_exact, q_h, k_raw, q_pos, spec, cfg, sm_scale)
     qf = qg
     if cfg.true_distance:
-        s_far = s_exact
+        s_far = s_true
+    elif cfg.far_scores == "shifted":
+        qf = _turned(q_h, -cfg.shift, spec).reshape(B, H, g * Lq, D)
+        s_far = (qf @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale
     else:
         qf = far_query(q_h, q_pos, spec, cfg.distance).reshape(B, H, g * Lq, D)
         s_far = (qf @ k_raw.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale

@@ -159,7 +159,7 @@ def test_window_config_errors():
         WindowConfig(selector="random")
     with pytest.raises(ValueError, match=r"WindowConfig.budget: expected a fraction in \[0, 1\] or an int count"):
         WindowConfig(budget=1.5)
-    with pytest.raises(ValueError, match="WindowConfig.far_scores: expected 'exact' or 'windowed'"):
+    with pytest.raises(ValueError, match="WindowConfig.far_scores: expected 'exact', 'windowed' or 'shifted'"):
         WindowConfig(far_scores="rope")
     with pytest.raises(ValueError, match="WindowConfig.window: expected an int >= 0, got -1"):
         WindowConfig(window=-1)
