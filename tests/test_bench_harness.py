@@ -333,3 +333,17 @@ def test_rag_qa_runs_every_method_once_per_item_and_resumes_from_its_records(tmp
     assert len(rag_qa.read_records([rec])) == 7 + 4
     with pytest.raises(ValueError, match="methods: expected full prefill first"):
         rag_qa.run_items(rag, methods[1:], items, 4, None, 2, meta)
+
+
+import length_eval  # noqa: E402
+
+
+def test_length_eval_summary_buckets_nll_by_position_and_pairs_prefill_cost_with_plain():
+    rows = [{"policy": "plain", "seed": 0, "nll": [1.0] * 2048 + [2.0] * 2048 + [4.0] * 1000, "found": True,
+             "prefill_s": 2.0, "tokens": 5096},
+            {"policy": "lm_infinite", "seed": 0, "nll": [1.0] * 2048 + [2.0] * 2048 + [2.0] * 1000, "found": False,
+             "prefill_s": 5.0, "tokens": 5096}]
+    plain, lmi = length_eval.summarize(rows, 2048)
+    assert (plain["nll_0"], plain["nll_2048"], plain["nll_4096"]) == (1.0, 2.0, 4.0)
+    assert plain["last_vs_2k"] == 2.0 and lmi["last_vs_2k"] == 1.0
+    assert (plain["passkey"], lmi["passkey"]) == (100.0, 0.0) and lmi["prefill_vs_plain"] == 2.5
