@@ -152,13 +152,13 @@ def _turned(q_h: torch.Tensor, by: int, spec: RopeSpec) -> torch.Tensor:
 
 
 def _sink_scores_(s: torch.Tensor, q_h: torch.Tensor, k_raw: torch.Tensor, q_pos: torch.Tensor, spec: RopeSpec,
-                  cfg: WindowConfig, sm_scale: float) -> None:
-    """Rescore in place the sink columns of s [B, H, G, q, N] for rows whose window does not reach them, at
-    cfg.sink_distance (module docstring of WindowConfig)."""
-    B, H, g, Lq, N = s.shape
-    rows = torch.arange(N - Lq, N, device=s.device)
+                  cfg: WindowConfig, sm_scale: float, n_slots: int) -> None:
+    """Rescore in place the sink columns (the first cfg.sinks) of s [B, H, G, q, C] for rows whose window does not
+    reach them, at cfg.sink_distance (WindowConfig's docstring); the q rows are the last of `n_slots` slots."""
+    B, H, g, Lq, _ = s.shape
+    rows = torch.arange(n_slots - Lq, n_slots, device=s.device)
     by_distance: dict[int, torch.Tensor] = {}
-    for j in range(min(cfg.sinks, N)):
+    for j in range(min(cfg.sinks, n_slots)):
         out = (rows - j) >= cfg.window                                        # [q] this sink is outside the window
         if not bool(out.any()):
             continue
@@ -247,6 +247,31 @@ def _quant_keep(qf: torch.Tensor, k_raw: torch.Tensor, scale: float, far: torch.
     return _topk_mask(approx, k)
 
 
+def _band_attend(q_h: torch.Tensor, k_rot: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, spec: RopeSpec,
+                 q_pos: torch.Tensor, cfg: WindowConfig, sm_scale: float, ex: torch.Tensor, fa: torch.Tensor,
+                 stats: dict | None) -> torch.Tensor:
+    """windowed_attend with no far slot attended (selector="none"): scores of the sinks and of the window band of
+    the q rows only (not of the N - sinks - window - q slots no row reads). ex / fa: [B|1, 1, 1, q, N] regions."""
+    B, Hq, Lq, D = q_h.shape
+    H, N = k_rot.shape[1], k_rot.shape[2]
+    g = Hq // H
+    lo = max(cfg.sinks, N - Lq - cfg.window + 1)
+    dev = q_h.device
+    cols = torch.cat([torch.arange(min(cfg.sinks, N), device=dev), torch.arange(lo, N, device=dev)]) \
+        if lo > cfg.sinks else torch.arange(N, device=dev)
+    s = (q_h.float().reshape(B, H, g * Lq, D) @ k_rot[:, :, cols].float().transpose(-1, -2))
+    s = s.view(B, H, g, Lq, cols.numel()) * sm_scale
+    if cfg.sink_distance is not None and not cfg.true_distance:
+        _sink_scores_(s, q_h, k_raw, q_pos, spec, cfg, sm_scale, N)
+    s = s.masked_fill(~ex[..., cols], float("-inf"))
+    if stats is not None:
+        stats["far_slots"] = int(fa.sum(-1).max()) if fa.numel() else 0
+        stats["selected"] = 0
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = p.reshape(B, H, g * Lq, cols.numel()) @ v[:, :, cols].float()
+    return out.view(B, Hq, Lq, -1).to(q_h.dtype)
+
+
 def windowed_attend(q_h: torch.Tensor, k_rot: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
                     spec: RopeSpec, q_pos: torch.Tensor, cfg: WindowConfig, sm_scale: float,
                     allowed: torch.Tensor | None = None, stats: dict | None = None) -> torch.Tensor:
@@ -266,11 +291,13 @@ def windowed_attend(q_h: torch.Tensor, k_rot: torch.Tensor, k_raw: torch.Tensor,
         al = allowed.reshape(allowed.shape[0], 1, 1, Lq, N)
         ex, fa = ex & al, fa & al
     qg = q_h.float().reshape(B, H, g * Lq, D)
+    if cfg.selector == "none":
+        return _band_attend(q_h, k_rot, k_raw, v, spec, q_pos, cfg, sm_scale, ex, fa, stats)
     s_true = (qg @ k_rot.float().transpose(-1, -2)).view(B, H, g, Lq, N) * sm_scale   # true-position scores
     s_exact = s_true
     if cfg.sink_distance is not None and not cfg.true_distance:
         s_exact = s_true.clone()
-        _sink_scores_(s_exact, q_h, k_raw, q_pos, spec, cfg, sm_scale)
+        _sink_scores_(s_exact, q_h, k_raw, q_pos, spec, cfg, sm_scale, N)
     qf = qg
     if cfg.true_distance:
         s_far = s_true
