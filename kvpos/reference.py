@@ -11,7 +11,7 @@ import torch
 from .rope import RopeLayout, RopeSpec
 
 __all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "dequant_q8_ref", "decode_q8_ref",
-           "ape_merge_ref", "windowed_score_ref", "distance_attend_ref"]
+           "ape_merge_ref", "windowed_score_ref", "distance_attend_ref", "scaled_attend_ref"]
 
 
 def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
@@ -151,3 +151,27 @@ def distance_attend_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tenso
         s = torch.where(at[:, None], (qd @ k0.transpose(-1, -2)) * scale, s)
     w = torch.softmax(s, -1).nan_to_num(0.0)
     return w @ v
+
+
+def scaled_attend_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      k_pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec, scale: float,
+                      allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head position scales in float64, from explicit rotation matrices: query head h rotates its query at
+    q_pos / ratios[h] and its group's key at k_pos / ratios[h]. q_raw [B, Hq, S, D], k_raw / v [B, H, T, D],
+    q_pos [B, S], k_pos [B, T], ratios [Hq], allowed [B|1, 1, S, T]. Returns float64 [B, Hq, S, D]."""
+    q, k, v = q_raw.double(), k_raw.double(), v.double()
+    B, Hq, S, _ = q.shape
+    g = Hq // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    qr, kr = torch.empty_like(q), torch.empty_like(k)
+    for b in range(B):
+        for h in range(Hq):
+            r = float(ratios[h])
+            for i in range(S):
+                qr[b, h, i] = rotation_matrix_ref(float(q_pos[b, i]) / r, spec) @ q[b, h, i]
+            for j in range(k.shape[2]):
+                kr[b, h, j] = rotation_matrix_ref(float(k_pos[b, j]) / r, spec) @ k[b, h, j]
+    s = (qr @ kr.transpose(-1, -2)) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v

@@ -1,0 +1,122 @@
+"""Ms-PoE on transformers: per-head position scales (kvpos.posmap) as an attention backend over a PositionedCache.
+
+    scales = ms_poe_scales(L, Hq)                                     # fixed head order (the head's own number)
+    with use_ms_poe(model, cache, scales):                            # full form: the prompt under Ms-PoE too
+        extend(model, cache, prompt_ids); out = generate(model, cache, ...)
+
+    extend(model, cache, context_ids)                                 # read-time form: the context prefilled plainly
+    backend = MsPoEBackend.scored(L, Hq)                              # head order from the question's first call
+    extend(model, cache, question_ids, attention=backend); ...
+
+The backend reads each layer's raw keys from the bound cache (any storage), unrotates the call's queries, and
+attends with kvpos.posmap.scaled_attend: every query head at its own ratio, grouped-query attention exact. Layers
+whose ratios are all 1 take transformers' own attention (bit-identical to plain). A scored backend fixes each
+layer's head order at its first call in the scope (the last row of that call is the prompt's last token, as in
+Ms-PoE, which scores once per prompt); `reset()` starts a new prompt.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from kvpos._checks import fail
+from kvpos.cache import PositionedKV
+from kvpos.posmap import (MS_POE_FIRST_LAYER, MS_POE_MAX, MS_POE_MIN, HeadScales, assign_ratios, ms_poe_scales,
+                          position_awareness, scaled_attend)
+from kvpos.rope import unrotate
+from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
+
+__all__ = ["MsPoEBackend", "use_ms_poe", "ms_poe_scales", "HeadScales"]
+
+
+class MsPoEBackend:
+    """Attention backend reading positions at per-(layer, query head) scales. `scales`: a HeadScales, or None with
+    `scored(...)` (the head order chosen from each layer's first call)."""
+
+    needs_cache = True
+
+    def __init__(self, scales: HeadScales | None) -> None:
+        if scales is not None and not isinstance(scales, HeadScales):
+            fail("MsPoEBackend scales", "a kvpos.posmap.HeadScales", type(scales).__name__, exc=TypeError)
+        self.scales = scales
+        self._scored: dict | None = None            # scored form: its parameters and the head order chosen per layer
+        self.head_index: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def scored(cls, layers: int, q_heads: int, rule: str = "rank", r_min: float = MS_POE_MIN,
+               r_max: float = MS_POE_MAX, first_layer: int = MS_POE_FIRST_LAYER) -> "MsPoEBackend":
+        """Ms-PoE with head order from position awareness (kvpos.posmap.assign_ratios `rule`), per layer."""
+        ms_poe_scales(layers, q_heads, r_min, r_max, first_layer)          # validates the parameters
+        assign_ratios(torch.zeros(q_heads), rule)
+        b = cls(None)
+        b._scored = {"layers": layers, "q_heads": q_heads, "rule": rule, "r_min": r_min, "r_max": r_max,
+                     "first_layer": first_layer}
+        return b
+
+    def reset(self) -> None:
+        """Forget the head orders chosen (a new prompt)."""
+        self.head_index = {}
+
+    def ratios(self, layer: int) -> torch.Tensor | None:
+        """[Hq] ratios of `layer` (None: not chosen yet)."""
+        if self.scales is not None:
+            return self.scales.for_layer(layer)
+        p = self._scored
+        if layer < p["first_layer"]:
+            return torch.ones(p["q_heads"], dtype=torch.float64)
+        idx = self.head_index.get(layer)
+        return None if idx is None else p["r_min"] + (p["r_max"] - p["r_min"]) * idx.double() / p["q_heads"]
+
+    def _choose(self, call: AttentionCall, q_raw: torch.Tensor, k_raw: torch.Tensor, allowed: torch.Tensor
+                ) -> torch.Tensor:
+        p = self._scored
+        if q_raw.shape[0] != 1:
+            fail("MsPoEBackend.scored", "batch 1 (one head order per prompt)", f"batch {q_raw.shape[0]}",
+                 "use MsPoEBackend(ms_poe_scales(...)) with a fixed head order for batches")
+        if q_raw.shape[1] != p["q_heads"] or call.layer >= p["layers"]:
+            fail("MsPoEBackend.scored", f"{p['layers']} layers of {p['q_heads']} query heads",
+                 f"layer {call.layer} with {q_raw.shape[1]} query heads")
+        score = position_awareness(q_raw[:, :, -1], k_raw, allowed[:, 0, -1], call.scaling)[0]
+        self.head_index[call.layer] = assign_ratios(score, p["rule"])
+        return self.ratios(call.layer)
+
+    def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
+        r = self.ratios(call.layer)
+        if r is not None and bool((r == 1).all()):
+            return call.plain()
+        cache = binding.cache_layer_keys(call)
+        layer = cache.layers[call.layer]
+        B, Hq, Lq, _ = call.query.shape
+        N = call.key.shape[2]
+        if self.scales is not None and self.scales.ratios.shape[1] != Hq:
+            fail("MsPoEBackend scales", f"[L, Hq={Hq}] ratios (the model's query heads)",
+                 list(self.scales.ratios.shape))
+        pos = cache.table.pos[:, :N].to(call.query.device)
+        q_pos = pos[:, N - Lq:]
+        q_raw = unrotate(call.query, q_pos, layer.spec)
+        k_raw = layer.raw_keys
+        allowed = call.allowed().expand(B, 1, Lq, N)
+        if r is None:
+            r = self._choose(call, q_raw, k_raw, allowed)
+        out = scaled_attend(q_raw, k_raw, layer.values, q_pos, pos, r, layer.spec, call.scaling, allowed)
+        return AttentionCall.finish(out.to(call.query.dtype))
+
+
+@contextlib.contextmanager
+def use_ms_poe(model: torch.nn.Module, cache: PositionedKV, scales: HeadScales | None = None, **scored: Any
+               ) -> Iterator[MsPoEBackend]:
+    """Within the block, `model` attends with Ms-PoE over `cache`: a fixed `scales` table, or (scales None) head
+    orders scored per layer at the first call (MsPoEBackend.scored(**scored), layers and heads from the model).
+    Scales that are all 1 bind nothing: the block runs plain attention, bit-identical to no Ms-PoE."""
+    if scales is None:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        backend = MsPoEBackend.scored(cfg.num_hidden_layers, cfg.num_attention_heads, **scored)
+    else:
+        backend = MsPoEBackend(scales)
+        if scales.is_identity():              # plain attention, bit for bit: nothing to bind
+            yield backend
+            return
+    with bind_attention(model, backend, cache):
+        yield backend

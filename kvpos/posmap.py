@@ -1,0 +1,160 @@
+"""Read-time position maps: per (layer, query head) scales of positions (Ms-PoE), applied to raw keys on read.
+
+Letters: B batch · H kv heads · Hq query heads (G = Hq / H) · q queries · N keys · D head_dim · R rotary dims ·
+L layers.
+
+Query head h of a layer with ratio r_h reads a query at position p and a key at position t as
+
+    s^2 (R_{p / r_h} q)_rot . (R_{t / r_h} k)_rot + q_pass . k_pass          (s: the spec's attention scaling)
+
+that is, at the fractional distance (p - t) / r_h (every RoPE frequency of that head divided by r_h). Each query
+head rotates its own copy of its group's raw key head, so grouped-query attention stays exact (Ms-PoE's released
+code rotates a shared key head with one query head's ratio); the copies live in one call's scratch, never in the
+cache. r_h = 1 is plain RoPE. Float64 oracle: kvpos.reference.scaled_attend_ref.
+
+Ms-PoE ("Found in the Middle", NeurIPS 2024): ratios r_min + (r_max - r_min) * k / Hq for k = 0 .. Hq-1 on layers
+>= 2, the ratio index of each head set by its position-awareness score (`position_awareness`: the share of keys the
+last prompt row, scored without RoPE, attends to more than 3x the mean). Which head gets which index is
+`assign_ratios`; see its docstring for the released code's gather.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import fail
+from .rope import RopeSpec, _pairs
+
+__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "rotate_heads", "scaled_attend", "position_awareness",
+           "assign_ratios", "MS_POE_MIN", "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
+
+MS_POE_MIN, MS_POE_MAX, MS_POE_FIRST_LAYER = 1.2, 1.8, 2       # the released scripts' values
+
+
+@dataclass(frozen=True)
+class HeadScales:
+    """Position scale ratios r [L, Hq] (float, > 0): query head h of layer l reads positions p / r[l, h]."""
+
+    ratios: torch.Tensor
+
+    def __post_init__(self) -> None:
+        r = self.ratios
+        if not isinstance(r, torch.Tensor) or not r.is_floating_point() or r.dim() != 2:
+            got = f"{r.dtype} tensor of shape {list(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
+            fail("HeadScales ratios", "a float tensor [L, Hq] (per layer and query head)", got, exc=TypeError)
+        if not bool(torch.isfinite(r).all()) or not bool((r > 0).all()):
+            fail("HeadScales ratios", "finite entries > 0", f"min {float(r.min()):.3g}, max {float(r.max()):.3g}")
+        object.__setattr__(self, "ratios", r.detach().double().clone())
+
+    def check(self, layers: int, q_heads: int) -> "HeadScales":
+        """Raises unless the ratios are [layers, q_heads]."""
+        if tuple(self.ratios.shape) != (layers, q_heads):
+            fail("HeadScales ratios", f"shape [{layers}, {q_heads}] (the model's layers, query heads)",
+                 list(self.ratios.shape))
+        return self
+
+    def for_layer(self, i: int) -> torch.Tensor:
+        """[Hq] float64 ratios of layer i."""
+        return self.ratios[i]
+
+    def is_identity(self, i: int | None = None) -> bool:
+        """Whether every ratio (of layer i, or of all layers) is exactly 1."""
+        r = self.ratios if i is None else self.ratios[i]
+        return bool((r == 1).all())
+
+
+def ms_poe_scales(layers: int, q_heads: int, r_min: float = MS_POE_MIN, r_max: float = MS_POE_MAX,
+                  first_layer: int = MS_POE_FIRST_LAYER, index: torch.Tensor | None = None) -> HeadScales:
+    """Ms-PoE's ratio table: on layers >= first_layer, head h gets r_min + (r_max - r_min) * index[h] / q_heads;
+    index: [Hq] or [L, Hq] ints, a permutation of 0..Hq-1 per layer (default: the head's own number). Layers
+    below first_layer keep 1."""
+    for what, v in (("layers", layers), ("q_heads", q_heads), ("first_layer", first_layer)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if what == "first_layer" else 1):
+            fail(f"ms_poe_scales {what}", "an int >= 0" if what == "first_layer" else "an int >= 1", v)
+    if not (isinstance(r_min, (int, float)) and isinstance(r_max, (int, float)) and 0 < r_min <= r_max
+            and math.isfinite(r_max)):
+        fail("ms_poe_scales r_min, r_max", "finite floats with 0 < r_min <= r_max", (r_min, r_max))
+    idx = torch.arange(q_heads) if index is None else torch.as_tensor(index)
+    idx = idx.expand(layers, q_heads) if idx.dim() == 1 else idx
+    if tuple(idx.shape) != (layers, q_heads) or idx.is_floating_point() or not bool(
+            (idx.sort(-1).values == torch.arange(q_heads)).all()):
+        fail("ms_poe_scales index", f"a permutation of 0..{q_heads - 1} ([Hq] or [L, Hq] ints)",
+             f"{idx.dtype} tensor of shape {list(idx.shape)}")
+    r = r_min + (r_max - r_min) * idx.double() / q_heads
+    r[:first_layer] = 1.0
+    return HeadScales(r)
+
+
+def scaled_cos_sin(pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, Hq, S, R/2] float32 of the angles (pos / r_h) * inv_freq, computed in float64; pos [B, S]
+    int64, ratios [Hq]."""
+    inv = spec.inv_freq.to(device=pos.device, dtype=torch.float64)
+    scaled = pos.to(torch.float64)[:, None, :] / ratios.to(device=pos.device, dtype=torch.float64)[None, :, None]
+    ang = scaled[..., None] * inv
+    return ang.cos().float(), ang.sin().float()
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, scale: float
+                 ) -> torch.Tensor:
+    """x [B, Hq, S, D] turned per head by cos/sin [B|1, Hq, S, R/2], rotary dims times `scale`: float32, new."""
+    xf = x.float()
+    out = xf.clone()
+    a, b = _pairs(xf, spec)
+    oa, ob = _pairs(out, spec)
+    oa.copy_((a * cos - b * sin) * scale)
+    ob.copy_((b * cos + a * sin) * scale)
+    return out
+
+
+def scaled_attend(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec, sm_scale: float,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of raw queries q_raw [B, Hq, q, D] at q_pos [B, q] over raw keys k_raw / values v [B, H, N, D] at
+    k_pos [B, N], query head h at positions / ratios[h] (module docstring). allowed: [B|1, 1, q, N] bool or None.
+    Returns float32 [B, Hq, q, Dv]; rows with no allowed key are 0."""
+    B, Hq, Lq, _ = q_raw.shape
+    H = k_raw.shape[1]
+    if Hq % H or ratios.shape != (Hq,):
+        fail("scaled_attend", f"Hq divisible by H and ratios [Hq={Hq}]",
+             f"H={H}, ratios of shape {list(ratios.shape)}")
+    g = Hq // H
+    s = spec.attention_scaling
+    q = rotate_heads(q_raw, *scaled_cos_sin(q_pos, ratios, spec), spec, s)
+    k = rotate_heads(k_raw.repeat_interleave(g, 1), *scaled_cos_sin(k_pos, ratios, spec), spec, s)
+    scores = (q @ k.transpose(-1, -2)) * sm_scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    w = torch.softmax(scores, -1).nan_to_num(0.0)
+    return w @ v.float().repeat_interleave(g, 1)
+
+
+def position_awareness(q_raw_last: torch.Tensor, k_raw: torch.Tensor, allowed_last: torch.Tensor | None = None,
+                       sm_scale: float | None = None) -> torch.Tensor:
+    """Ms-PoE's head score: the share of keys that the last prompt row attends to more than 3x the mean, with the
+    scores taken WITHOUT RoPE. q_raw_last [B, Hq, D], k_raw [B, H, N, D], allowed_last [B, N] bool. Returns
+    [B, Hq] float32 in [0, 1] (the released code negates it and sorts ascending: highest share first)."""
+    B, Hq, D = q_raw_last.shape
+    g = Hq // k_raw.shape[1]
+    sm = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    s = (q_raw_last.float()[:, :, None] @ k_raw.float().repeat_interleave(g, 1).transpose(-1, -2))[:, :, 0] * sm
+    ok = torch.ones(B, 1, s.shape[-1], dtype=torch.bool) if allowed_last is None else allowed_last[:, None]
+    a = torch.softmax(s.masked_fill(~ok, float("-inf")), -1)
+    mean = a.sum(-1, keepdim=True) / ok.sum(-1, keepdim=True)
+    return ((a > 3 * mean) & ok).sum(-1).float() / ok.sum(-1).float()
+
+
+def assign_ratios(score: torch.Tensor, rule: str = "rank") -> torch.Tensor:
+    """Ratio index [.., Hq] (a permutation) per head from position-awareness scores [.., Hq].
+
+    "rank": the head with the highest score gets index 0 (the smallest ratio, nearest plain RoPE), the next index 1,
+    and so on: the paper's description (heads that use positions most keep them most). "released": Ms-PoE's
+    released code, which gathers the ratio table with the argsort itself (head i gets index order[i], order =
+    heads by descending score), not with its inverse."""
+    order = torch.argsort(-score, dim=-1, stable=True)
+    if rule == "released":
+        return order
+    if rule != "rank":
+        fail("assign_ratios rule", "'rank' or 'released'", repr(rule))
+    return torch.argsort(order, dim=-1)
