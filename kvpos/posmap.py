@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import fail
-from .rope import RopeSpec, _pairs
+from .rope import RopeSpec, _pairs, cos_sin
 
 __all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "rotate_heads", "scaled_attend", "position_awareness",
-           "assign_ratios", "MS_POE_MIN", "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
+           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "MS_POE_MIN", "MS_POE_MAX",
+           "MS_POE_FIRST_LAYER"]
 
 MS_POE_MIN, MS_POE_MAX, MS_POE_FIRST_LAYER = 1.2, 1.8, 2       # the released scripts' values
 
@@ -158,3 +159,58 @@ def assign_ratios(score: torch.Tensor, rule: str = "rank") -> torch.Tensor:
     if rule != "rank":
         fail("assign_ratios rule", "'rank' or 'released'", repr(rule))
     return torch.argsort(order, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-(head, query, segment) offsets: PINE's importance-sorted document positions
+# ---------------------------------------------------------------------------------------------------------------------
+def segment_importance(q_raw: torch.Tensor, k_raw: torch.Tensor, doc: torch.Tensor, n_docs: int, sm_scale: float,
+                       allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """PINE's importance of each document to each query row and head, WITHOUT RoPE: the softmax of raw q.k over the
+    document slots only, summed per document and divided by its size. q_raw [B, Hq, q, D], k_raw [B, H, N, D],
+    doc [B, N] int64 (the document of each slot, -1 for the others), allowed [B|1, 1, q, N] or None. Returns
+    float32 [B, Hq, q, n_docs]."""
+    B, Hq, Lq, _ = q_raw.shape
+    g = Hq // k_raw.shape[1]
+    s = (q_raw.float() @ k_raw.float().repeat_interleave(g, 1).transpose(-1, -2)) * sm_scale
+    ok = (doc >= 0)[:, None, None, :]
+    if allowed is not None:
+        ok = ok & allowed
+    a = torch.softmax(s.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+    onehot = torch.nn.functional.one_hot(doc.clamp_min(0), n_docs).float() * (doc >= 0)[..., None]   # [B, N, n]
+    return (a @ onehot[:, None]) / onehot.sum(1)[:, None, None].clamp_min(1)
+
+
+def pine_shifts(importance: torch.Tensor, start: torch.Tensor, size: torch.Tensor, end: torch.Tensor
+                ) -> torch.Tensor:
+    """How far each document's positions move for each query row and head: the documents sorted by importance
+    (descending; ties by document index), the most important ending at `end`, the next right before it, and so on.
+    importance [B, Hq, q, n]; start / size [B, n] int64 (each document's first position and token count, as
+    stored); end [B] int64. Returns int64 [B, Hq, q, n]: new first position - start."""
+    order = torch.argsort(-importance, dim=-1, stable=True)                              # rank -> document
+    sz = size[:, None, None, :].expand_as(importance).gather(-1, order)                 # sizes in rank order
+    new_end = end[:, None, None, None] - (torch.cumsum(sz, -1) - sz)                     # ends in rank order
+    shift_by_rank = new_end - sz - start[:, None, None, :].expand_as(importance).gather(-1, order)
+    return torch.empty_like(shift_by_rank).scatter_(-1, order, shift_by_rank)
+
+
+def offset_attend(q_h: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, shift: torch.Tensor,
+                  spec: RopeSpec, sm_scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of rotated queries q_h [B, Hq, q, D] over keys rotated at their slot positions k_rot / values v
+    [B, H, N, D], document d's keys read `shift[b, h, row, d]` positions later (the query turned back by the shift
+    instead: (R_{p - s} q) . (R_t k) is the score at distance p - (t + s)); slots with doc -1 at their own
+    positions. doc [B, N] int64, shift [B, Hq, q, n] int64, allowed [B|1, 1, q, N]. Returns float32 [B, Hq, q, Dv]."""
+    B, Hq, Lq, D = q_h.shape
+    g = Hq // k_rot.shape[1]
+    n = shift.shape[-1]
+    k = k_rot.float().repeat_interleave(g, 1)
+    qx = q_h.float()[:, :, :, None, :].expand(B, Hq, Lq, n, D).reshape(B, Hq, Lq * n, D)
+    c, s = cos_sin((-shift).reshape(B, Hq, Lq * n), spec)
+    turned = rotate_heads(qx, c, s, spec, 1.0)
+    s_doc = (turned @ k.transpose(-1, -2)).view(B, Hq, Lq, n, -1)                       # [B, Hq, q, n, N]
+    pick = doc.clamp_min(0)[:, None, None, None, :].expand(B, Hq, Lq, 1, doc.shape[1])
+    scores = torch.where((doc >= 0)[:, None, None, :], s_doc.gather(3, pick)[:, :, :, 0],
+                         q_h.float() @ k.transpose(-1, -2)) * sm_scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v.float().repeat_interleave(g, 1)

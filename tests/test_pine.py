@@ -1,0 +1,114 @@
+"""PINE-lite (integrations/pine.py, kvpos.posmap offsets): answers identical under every order of the documents,
+and equal to a float64 reference that builds each head's and query's document positions explicitly."""
+import itertools
+
+import pytest
+import torch
+
+from kvpos.posmap import pine_shifts
+from kvpos.reference import distance_attend_ref, unrotate_ref
+from kvpos.integrations.compose import ChunkComposer
+from kvpos.integrations.hf import AttentionCall, extend
+from kvpos.integrations.hf.testing import tiny_model
+from kvpos.integrations.pine import PineLiteBackend, document_layout
+
+
+def _setup(arch, n_docs=4, seed=0):
+    model = tiny_model(arch, **({"sliding_window": 4096} if arch == "gemma3" else {}))[0]
+    g = torch.Generator().manual_seed(seed)
+    anchor = torch.randint(3, 128, (5,), generator=g)
+    docs = [torch.randint(3, 128, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g)
+            for _ in range(n_docs)]
+    return model, ChunkComposer(model, anchor), docs, torch.randint(3, 128, (1, 4), generator=g)
+
+
+def _answer(model, composer, docs, q, backend, steps=2):
+    cache, _ = composer.compose(docs, layout="sequential")
+    logits = [extend(model, cache, q, attention=backend)[0]]
+    for _ in range(steps):
+        logits.append(extend(model, cache, logits[-1][-1].argmax()[None, None], attention=backend)[0])
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "cohere"])
+def test_pine_lite_answers_do_not_depend_on_the_order_of_the_documents(arch):
+    model, composer, docs, q = _setup(arch)
+    first = _answer(model, composer, docs, q, PineLiteBackend())
+    plain = [_answer(model, composer, docs, q, None, steps=0)]
+    worst = 0.0
+    for perm in itertools.permutations(range(4)):
+        got = _answer(model, composer, [docs[i] for i in perm], q, PineLiteBackend())
+        worst = max(worst, float((got - first).abs().max()))
+        if len(plain) < 3:
+            plain.append(_answer(model, composer, [docs[i] for i in perm], q, None, steps=0))
+    assert worst <= 1e-5, worst
+    assert max(float((p - plain[0]).abs().max()) for p in plain[1:]) > 1e-3      # plain reuse does depend on it
+
+
+class ExplicitPine:
+    """Reference: per head and query row, document importance from raw q.k in float64, documents sorted, each key's
+    position written out, attention at explicit distances (kvpos.reference.distance_attend_ref), head by head."""
+
+    needs_cache = True
+
+    def __call__(self, call, binding):
+        cache = binding.cache_layer_keys(call)
+        layer = cache.layers[call.layer]
+        B, Hq, Lq, _ = call.query.shape
+        N = call.key.shape[2]
+        pos, seg = cache.table.pos[:, :N], cache.table.segment[:, :N]
+        doc = [int(s) - 16 if s >= 16 else -1 for s in seg[0].tolist()]
+        n = max(doc) + 1
+        slots = {d: [j for j in range(N) if doc[j] == d] for d in range(n)}
+        start = {d: int(pos[0, slots[d][0]]) for d in range(n)}
+        end = min(start.values()) + sum(len(s) for s in slots.values())
+        q_raw = unrotate_ref(call.query, pos[:, N - Lq:], layer.spec)
+        k_raw, v = layer.raw_keys.double(), layer.values.double()
+        allowed = call.allowed()
+        g = Hq // k_raw.shape[1]
+        out = torch.zeros(B, Hq, Lq, v.shape[-1], dtype=torch.float64)
+        for h in range(Hq):
+            kh = k_raw[:, h // g: h // g + 1]
+            dist = torch.zeros(1, Lq, N, dtype=torch.long)
+            for i in range(Lq):
+                raw = (q_raw[0, h, i] @ kh[0, 0].T) * call.scaling
+                in_docs = [j for j in range(N) if doc[j] >= 0 and bool(allowed[0, 0, i, j])]
+                a = torch.softmax(raw[in_docs], 0)
+                imp = {d: sum(float(a[in_docs.index(j)]) for j in slots[d]) / len(slots[d]) for d in range(n)}
+                new_end, new_start = end, {}
+                for d in sorted(range(n), key=lambda d: (-imp[d], d)):
+                    new_start[d] = new_end - len(slots[d])
+                    new_end = new_start[d]
+                p = int(pos[0, N - Lq + i])
+                for j in range(N):
+                    t = int(pos[0, j]) if doc[j] < 0 else new_start[doc[j]] + int(pos[0, j]) - start[doc[j]]
+                    dist[0, i, j] = p - t
+            out[:, h:h + 1] = distance_attend_ref(q_raw[:, h:h + 1], kh, v[:, h // g: h // g + 1], dist,
+                                                  allowed[:, 0], layer.spec, call.scaling)
+        return AttentionCall.finish(out.to(call.query.dtype))
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "cohere"])
+def test_pine_lite_equals_the_explicit_position_reference_in_prefill_and_decode(arch):
+    model, composer, docs, q = _setup(arch, seed=1)
+    got = _answer(model, composer, docs, q, PineLiteBackend())
+    want = _answer(model, composer, docs, q, ExplicitPine())
+    assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
+
+
+def test_pine_shifts_put_the_most_important_document_last_and_pack_the_rest_before_it():
+    imp = torch.tensor([[[[0.1, 0.7, 0.2]]]])                                  # doc 1, then doc 2, then doc 0
+    start, size, end = torch.tensor([[5, 8, 15]]), torch.tensor([[3, 7, 4]]), torch.tensor([19])
+    shift = pine_shifts(imp, start, size, end)[0, 0, 0]
+    new_start = (start[0] + shift).tolist()
+    assert new_start == [5, 12, 8]                 # doc 1 ends at 19, doc 2 ends at 12, doc 0 ends at 8
+
+
+def test_document_layout_and_refusals():
+    seg = torch.tensor([[1, 1, 16, 16, 17, 0]])
+    pos = torch.tensor([[0, 1, 2, 3, 2, 4]])
+    doc, n, start, size, end = document_layout(seg, pos)
+    assert doc.tolist() == [[-1, -1, 0, 0, 1, -1]] and n == 2
+    assert start.tolist() == [[2, 2]] and size.tolist() == [[2, 1]] and end.tolist() == [5]
+    with pytest.raises(ValueError, match="PINE-lite documents: expected segments SEG_CHUNK0"):
+        document_layout(torch.tensor([[1, 17]]), torch.tensor([[0, 1]]))
