@@ -197,7 +197,9 @@ def main() -> None:
     qa_arguments(ap)
     a = parse_bench_args(ap)
     if a.report:
-        rag_qa.report(rag_qa.read_records(a.report), a.json)
+        rows = rag_qa.read_records(a.report)
+        moved = all("@" in str(r["id"]) for r in rows)
+        (rag_qa.report_by_position if moved else rag_qa.report)(rows, a.json)
         return
     model, tok = load_model(a.model)
     if a.data in rag_qa.QA_SETS:
@@ -267,6 +269,8 @@ def qa_arguments(ap) -> None:
     g.add_argument("--shard", default="0/1", help="i/n: run items i, i+n, i+2n, ...")
     g.add_argument("--prefix-every", type=int, default=5, help="measure exact prefix reuse on every k-th item")
     g.add_argument("--report", nargs="+", default=None, help="only summarize these records files (JSON, MD, PNG)")
+    g.add_argument("--gold-at", type=int, nargs="+", default=None,
+                   help="lost in the middle: every question once per gold position (reported per position)")
 
 
 def run_qa(a, model, tok) -> None:
@@ -274,13 +278,15 @@ def run_qa(a, model, tok) -> None:
     if not 0 <= shard < n_shards:
         raise ValueError(f"--shard: expected i/n with 0 <= i < n, got {a.shard!r}")
     methods = [rag_qa.method_from_name(m) for m in a.methods]
-    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors, a.borrow)[shard::n_shards]
+    items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors, a.borrow)
+    items = (rag_qa.gold_moved(items, a.gold_at) if a.gold_at else items)[shard::n_shards]
     builder = ChatPromptBuilder(tok, question_prefix=rag_qa.question_prefix(a.instruction), turns=a.format == "turns")
     rag = RagPipeline(model, tok, builder=builder)
     meta = {"data": a.data, "format": a.format, "split": a.split, "model": getattr(model, "name_or_path", "?")}
     rows = rag_qa.run_items(rag, methods, items, a.max_new, a.records, a.prefix_every, meta)
     if a.json:
-        rag_qa.report(rag_qa.read_records([a.records]) if a.records else rows, a.json, {"args": vars(a)})
+        show = rag_qa.report_by_position if a.gold_at else rag_qa.report
+        show(rag_qa.read_records([a.records]) if a.records else rows, a.json, {"args": vars(a)})
 
 
 if __name__ == "__main__":

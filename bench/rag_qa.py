@@ -23,7 +23,8 @@ Measures per method (over the items; paired with full prefill on the same items)
 Method names: a base (full, prefix, sequential, parallel) and repairs joined by "+": link<k> (EPIC link tokens),
 sel<pct> (CacheBlend selective recompute), attn<pct> (query-aware re-encode), apeT<t> (APE temperature),
 tail<k> (the last k tokens of every chunk in context), last<m> (the m chunks nearest the question in context),
-probe<m> (the m chunks the question reads most, in context). E.g. "sequential+probe1+tail8".
+probe<m> (the m chunks the question reads most, in context), and read-time position policies (docs/positions.md):
+mspoe (Ms-PoE; "full+mspoe" is its full form) and pine (PINE-lite, chunk reuse only). E.g. "sequential+probe1+tail8".
 """
 from __future__ import annotations
 
@@ -54,10 +55,13 @@ def method_from_name(name: str) -> RagMethod:
         raise ValueError(f"method {name!r}: expected a base full / prefix / sequential / parallel, got {base!r}")
     kw: dict[str, Any] = {}
     for k in knobs:
+        if k in ("mspoe", "pine"):
+            kw["position"] = {"mspoe": "ms_poe", "pine": "pine_lite"}[k]
+            continue
         m = _KNOB.match(k)
         if m is None:
             raise ValueError(f"method {name!r}: expected repairs link<k> sel<pct> attn<pct> apeT<t> tail<k> last<m> "
-                             f"probe<m>, got {k!r}")
+                             f"probe<m> or a position policy mspoe / pine, got {k!r}")
         what, v = m.group(1), m.group(2)
         if what == "apeT":
             kw["ape"] = ApeParams(float(v), 1.0)
@@ -91,6 +95,22 @@ def load_items(data: str, n: int, split: str, seed: int, distractors: int, borro
         raise ValueError(f"--n: expected at most {len(pool)} {split} items of {data}, got {n}")
     keep = random.Random(seed).sample(range(len(pool)), n)
     return [pool[i] for i in keep]
+
+
+def gold_moved(items: Sequence[dict], positions: Sequence[int]) -> list[dict]:
+    """Each item once per gold position: its gold paragraph(s) taken out and put back, in their order, from
+    position p on (HotpotQA's pair stays together); ids "<id>@<p>". Lost-in-the-middle curves."""
+    out = []
+    for x in items:
+        gold = [x["paragraphs"][i] for i in x["gold"]]
+        rest = [q for i, q in enumerate(x["paragraphs"]) if i not in x["gold"]]
+        for p in positions:
+            if not 0 <= p <= len(rest):
+                raise ValueError(f"--gold-at: expected positions in [0, {len(rest)}] for {len(x['paragraphs'])} "
+                                 f"paragraphs with {len(gold)} gold, got {p}")
+            out.append({**x, "id": f"{x['id']}@{p}", "paragraphs": rest[:p] + gold + rest[p:],
+                        "gold": list(range(p, p + len(gold))), "gold_at": p})
+    return out
 
 
 def _done(path: str | None) -> set[str]:
@@ -241,6 +261,59 @@ def plot_frontier(summary: dict[str, dict], path: str, title: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def report_by_position(rows: Sequence[dict], json_path: str | None, extra: dict | None = None) -> dict:
+    """Lost-in-the-middle: the summary per gold position (records of gold_moved items), JSON + markdown + a PNG of
+    accuracy and gold NLL against the position, one line per method."""
+    by = {}
+    for r in rows:
+        by.setdefault(int(r["gold"][0]), []).append(r)
+    per = {p: summarize(rs) for p, rs in sorted(by.items())}
+    lines = []
+    for p, summ in per.items():
+        lines += [{"gold_at": p, "method": m, **{k: v for k, v in s.items() if k in ("n", "accuracy", "nll", "d_nll",
+                                                                                       "first_agree", "speedup")}}
+                  for m, s in summ.items()]
+    spread = {}
+    for m in dict.fromkeys(r["method"] for r in rows):
+        nll = [per[p][m]["nll"] for p in per if m in per[p]]
+        acc = [per[p][m]["accuracy"] for p in per if m in per[p]]
+        spread[m] = {"nll_spread": max(nll) - min(nll), "accuracy_spread": max(acc) - min(acc),
+                     "mean_accuracy": statistics.fmean(acc), "mean_nll": statistics.fmean(nll)}
+    payload = {**(extra or {}), "machine": machine(), "positions": list(per), "by_position": lines, "spread": spread}
+    table_rows = [{"method": m, **s} for m, s in spread.items()]
+    text = markdown_table(lines, ["gold_at", "method", "n", "accuracy", "nll", "d_nll", "first_agree", "speedup"],
+                          {"accuracy": ".1f", "nll": ".3f", "d_nll": ".3f", "first_agree": ".1f", "speedup": ".2f"})
+    text += "\n\n" + markdown_table(table_rows, ["method", "mean_accuracy", "accuracy_spread", "mean_nll",
+                                                  "nll_spread"], {c: ".3f" for c in ("mean_accuracy", "accuracy_spread",
+                                                                                     "mean_nll", "nll_spread")})
+    write_outputs(json_path, payload, text)
+    if json_path:
+        _plot_positions(per, os.path.splitext(json_path)[0] + ".png")
+    return payload
+
+
+def _plot_positions(per: dict[int, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    methods = list(dict.fromkeys(m for s in per.values() for m in s))
+    for ax, key, label in ((axes[0], "accuracy", "accuracy (%)"), (axes[1], "nll", "gold-answer NLL (nats/token)")):
+        for m in methods:
+            ps = [p for p in per if m in per[p]]
+            ax.plot(ps, [per[p][m][key] for p in ps], marker="o", ms=3, label=m)
+        ax.set_xlabel("gold paragraph position")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -26,6 +26,9 @@ from kvpos.ape import ApeParams
 from kvpos.prompt import ChatPromptBuilder, PromptParts
 from kvpos.compose import LAYOUTS
 from kvpos.integrations.ape import ApeBackend
+from kvpos.integrations.hf.attention import layers_heads
+from kvpos.integrations.mspoe import MsPoEBackend
+from kvpos.integrations.pine import PineLiteBackend
 from kvpos.integrations.compose import ChunkComposer
 from kvpos.integrations.repairs import chunks_read_most, query_aware_refresh, recompute_slots
 from kvpos.cache import storage_mode
@@ -33,6 +36,9 @@ from kvpos.integrations.hf import PositionedCache, extend, generate
 
 __all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "ScoredAnswer", "FULL",
            "PREFIX"]
+
+POSITIONS = ("ms_poe", "pine_lite")
+
 
 @dataclass(frozen=True)
 class RagMethod:
@@ -48,6 +54,10 @@ class RagMethod:
     probe_chunks (the m chunks the question reads most, whole: see repairs.chunks_read_most, which scores every
     chunk at the same distance from the question).
     Order: link_k, recompute_ratio, tail_k, last_chunks / probe_chunks (one forward), attn_ratio.
+    position: a read-time position policy (docs/positions.md): "ms_poe" (Ms-PoE, head order scored per request; with
+    layout "full" the whole prompt runs under it, Ms-PoE's full form; with chunk reuse only the question and answer:
+    read-time Ms-PoE) or "pine_lite" (chunk reuse only: the question and answer read the chunks at importance-sorted
+    positions, order-invariant).
     storage: the request cache's PositionedCache storage ("rotated", "raw" or "int8": keys and values int8 in the
     cache; with "full" it holds the prompt and the question runs on top of it); "int8" refuses repairs and APE (they
     rewrite or re-read slots the quantized storage writes once)."""
@@ -62,6 +72,7 @@ class RagMethod:
     tail_k: int = 0
     last_chunks: int = 0
     probe_chunks: int = 0
+    position: str | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("full", "prefix", *LAYOUTS):
@@ -77,6 +88,13 @@ class RagMethod:
             fail(f"RagMethod {self.name} ape", "None or an ApeParams", type(self.ape).__name__, exc=TypeError)
         if self.layout in ("full", "prefix") and (self.repairs or self.ape is not None):
             fail(f"RagMethod {self.name}", f"no repairs or APE with layout={self.layout!r} (it is exact)", self)
+        if self.position not in (None, *POSITIONS):
+            fail(f"RagMethod {self.name} position", f"None or one of {POSITIONS}", repr(self.position))
+        if self.position is not None and (self.ape is not None or self.layout == "prefix"
+                                          or (self.position == "pine_lite" and not self.reuses)):
+            fail(f"RagMethod {self.name} position", f"{self.position!r} without APE, with "
+                 + ("chunk reuse (documents composed apart)" if self.position == "pine_lite" else
+                    "a layout other than 'prefix' (the exact baseline)"), self)
         storage_mode(self.storage, f"RagMethod {self.name} storage")
         if not self.mode.keeps_rotated and self.layout == "prefix":
             fail(f"RagMethod {self.name} storage", "'rotated' with layout='prefix' (the exact baseline)",
@@ -206,8 +224,13 @@ class RagPipeline:
         logits = extend(self.model, cache, ids[None, lcp:], last_logits=True)
         return cache, logits, lcp
 
-    def _attention(self, method: RagMethod) -> ApeBackend | None:
-        return ApeBackend(method.ape) if method.ape is not None else None
+    def _attention(self, method: RagMethod) -> Any:
+        """A new attention backend for one request of `method` (None: plain attention)."""
+        if method.ape is not None:
+            return ApeBackend(method.ape)
+        if method.position == "ms_poe":
+            return MsPoEBackend.scored(*layers_heads(self.model))
+        return PineLiteBackend() if method.position == "pine_lite" else None
 
     @torch.no_grad()
     def score(self, parts: PromptParts, method: RagMethod, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,6 +238,13 @@ class RagPipeline:
         built by `method` from a fresh cache: the first-token distribution is row Q - 1."""
         extra = torch.zeros(0, dtype=torch.long) if extra is None else torch.as_tensor(extra, dtype=torch.long)
         q = torch.cat([parts.question, extra])
+        if not method.reuses and method.position:      # the prompt in one forward (Ms-PoE scores its last row)
+            cache = PositionedCache.from_model(self.model, storage=method.storage)
+            attention = self._attention(method)
+            rows = [extend(self.model, cache, parts.full_ids(), attention=attention)[:, -parts.question.numel():]]
+            if extra.numel():
+                rows.append(extend(self.model, cache, extra[None], attention=attention))
+            return torch.cat(rows, 1)
         if not method.reuses and not method.mode.keeps_rotated:       # the question on top of the stored prompt
             cache = PositionedCache.from_model(self.model, storage=method.storage)
             extend(self.model, cache, torch.cat([parts.anchor, *parts.chunks])[None])
@@ -223,7 +253,11 @@ class RagPipeline:
             ids = torch.cat([parts.full_ids(), extra[None]], 1)
             return self.model(ids).logits[:, ids.shape[1] - q.numel():]
         cache, _ = self._request(parts, method)
-        return extend(self.model, cache, q[None], attention=self._attention(method))
+        attention = self._attention(method)
+        if method.position and extra.numel():          # as answer_scored: a scored policy reads the question first
+            return torch.cat([extend(self.model, cache, parts.question[None], attention=attention),
+                              extend(self.model, cache, extra[None], attention=attention)], 1)
+        return extend(self.model, cache, q[None], attention=attention)
 
     def _prompt(self, parts: PromptParts, method: RagMethod) -> tuple[PositionedCache, torch.Tensor, Any, dict]:
         """Build the request's cache with `method` and run the prompt's last tokens: (cache holding the whole prompt,
@@ -235,11 +269,15 @@ class RagPipeline:
                 cache, logits, reused = self._prefix_request(ids)
             else:
                 cache, reused = PositionedCache.from_model(self.model, storage=method.storage), 0
-                if method.mode.keeps_rotated:
-                    logits = extend(self.model, cache, ids[None], last_logits=True)
+                attention = self._attention(method)
+                if method.mode.keeps_rotated or attention is not None:
+                    logits = extend(self.model, cache, ids[None], last_logits=True, attention=attention)
                 else:                          # as `score`: the prompt stored, then the question on top of it
                     extend(self.model, cache, ids[None, : ids.numel() - parts.question.numel()], last_logits=True)
                     logits = extend(self.model, cache, parts.question[None], last_logits=True)
+                return cache, logits[0, -1], attention, {"method": method.name,
+                                                         "tokens_computed": ids.numel() - reused,
+                                                         "tokens_reused": reused}
             return cache, logits[0, -1], None, {"method": method.name, "tokens_computed": ids.numel() - reused,
                                                 "tokens_reused": reused}
         cache, info = self._request(parts, method)

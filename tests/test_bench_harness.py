@@ -275,8 +275,11 @@ def test_rag_qa_method_names_map_to_the_repairs_they_name():
         ("sequential", 16, 0.15, 0.05, 8, 1, 2)
     assert rag_qa.method_from_name("sequential+apeT0.8").ape.temperature == 0.8
     assert rag_qa.method_from_name("parallel") == RagMethod("parallel", layout="parallel")
+    assert rag_qa.method_from_name("full+mspoe").position == "ms_poe"
+    assert rag_qa.method_from_name("sequential+pine").position == "pine_lite"
     for bad, match in (("seq", "expected a base"), ("sequential+link", "expected repairs"),
-                       ("sequential+zz3", "expected repairs"), ("parallel+probe1", "expected layout='sequential'")):
+                       ("sequential+zz3", "expected repairs"), ("parallel+probe1", "expected layout='sequential'"),
+                       ("full+pine", "expected 'pine_lite' without APE, with chunk reuse")):
         with pytest.raises(ValueError, match=match):
             rag_qa.method_from_name(bad)
 
@@ -347,3 +350,18 @@ def test_length_eval_summary_buckets_nll_by_position_and_pairs_prefill_cost_with
     assert (plain["nll_0"], plain["nll_2048"], plain["nll_4096"]) == (1.0, 2.0, 4.0)
     assert plain["last_vs_2k"] == 2.0 and lmi["last_vs_2k"] == 1.0
     assert (plain["passkey"], lmi["passkey"]) == (100.0, 0.0) and lmi["prefill_vs_plain"] == 2.5
+
+
+def test_gold_moved_puts_the_gold_paragraphs_at_each_position_and_reports_by_position(tmp_path):
+    item = {"id": "q", "paragraphs": ["a", "G1", "b", "G2", "c"], "gold": [1, 3], "answers": ["x"], "question": "?"}
+    moved = rag_qa.gold_moved([item], [0, 3])
+    assert [m["paragraphs"] for m in moved] == [["G1", "G2", "a", "b", "c"], ["a", "b", "c", "G1", "G2"]]
+    assert [m["gold"] for m in moved] == [[0, 1], [3, 4]] and [m["id"] for m in moved] == ["q@0", "q@3"]
+    with pytest.raises(ValueError, match=r"--gold-at: expected positions in \[0, 3\]"):
+        rag_qa.gold_moved([item], [4])
+    rows = [{**_rec(i, m, c, nll, 1, 1.0), "id": f"{i}@{p}", "gold": [p]}
+            for i in range(3) for p in (0, 4) for m, c, nll in (("full", p == 4, 2.0 + p), ("sequential+pine", 1, 3.0))]
+    out = rag_qa.report_by_position(rows, str(tmp_path / "litm.json"))
+    assert out["positions"] == [0, 4]
+    assert out["spread"]["full"]["nll_spread"] == 4.0 and out["spread"]["sequential+pine"]["nll_spread"] == 0.0
+    assert out["spread"]["full"]["accuracy_spread"] == 100.0 and (tmp_path / "litm.png").exists()
