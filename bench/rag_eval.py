@@ -198,8 +198,8 @@ def main() -> None:
     a = parse_bench_args(ap)
     if a.report:
         rows = rag_qa.read_records(a.report)
-        moved = all("@" in str(r["id"]) for r in rows)
-        (rag_qa.report_by_position if moved else rag_qa.report)(rows, a.json)
+        moved, orders = (all(c in str(r["id"]) for r in rows) for c in ("@", "#"))
+        (rag_qa.report_by_position if moved else rag_qa.report_orders if orders else rag_qa.report)(rows, a.json)
         return
     model, tok = load_model(a.model)
     if a.data in rag_qa.QA_SETS:
@@ -271,6 +271,8 @@ def qa_arguments(ap) -> None:
     g.add_argument("--report", nargs="+", default=None, help="only summarize these records files (JSON, MD, PNG)")
     g.add_argument("--gold-at", type=int, nargs="+", default=None,
                    help="lost in the middle: every question once per gold position (reported per position)")
+    g.add_argument("--orders", type=int, default=None,
+                   help="order sensitivity: every question in this many random paragraph orders")
 
 
 def run_qa(a, model, tok) -> None:
@@ -279,13 +281,16 @@ def run_qa(a, model, tok) -> None:
         raise ValueError(f"--shard: expected i/n with 0 <= i < n, got {a.shard!r}")
     methods = [rag_qa.method_from_name(m) for m in a.methods]
     items = rag_qa.load_items(a.data, a.n, a.split, a.seed, a.distractors, a.borrow)
-    items = (rag_qa.gold_moved(items, a.gold_at) if a.gold_at else items)[shard::n_shards]
+    if a.gold_at and a.orders:
+        raise ValueError("--gold-at and --orders: expected one of them, got both")
+    items = rag_qa.gold_moved(items, a.gold_at) if a.gold_at else items
+    items = (rag_qa.reordered(items, a.orders, a.seed) if a.orders else items)[shard::n_shards]
     builder = ChatPromptBuilder(tok, question_prefix=rag_qa.question_prefix(a.instruction), turns=a.format == "turns")
     rag = RagPipeline(model, tok, builder=builder)
     meta = {"data": a.data, "format": a.format, "split": a.split, "model": getattr(model, "name_or_path", "?")}
     rows = rag_qa.run_items(rag, methods, items, a.max_new, a.records, a.prefix_every, meta)
     if a.json:
-        show = rag_qa.report_by_position if a.gold_at else rag_qa.report
+        show = rag_qa.report_by_position if a.gold_at else rag_qa.report_orders if a.orders else rag_qa.report
         show(rag_qa.read_records([a.records]) if a.records else rows, a.json, {"args": vars(a)})
 
 

@@ -113,6 +113,43 @@ def gold_moved(items: Sequence[dict], positions: Sequence[int]) -> list[dict]:
     return out
 
 
+def reordered(items: Sequence[dict], k: int, seed: int) -> list[dict]:
+    """Each item in k seeded random orders of its paragraphs (the first one its own), ids "<id>#<j>": order
+    sensitivity."""
+    if k < 2:
+        raise ValueError(f"--orders: expected an int >= 2 (orders to compare), got {k}")
+    out = []
+    for x in items:
+        rng = random.Random(f"{seed}:{x['id']}")
+        n = len(x["paragraphs"])
+        for j in range(k):
+            order = list(range(n)) if j == 0 else rng.sample(range(n), n)
+            out.append({**x, "id": f"{x['id']}#{j}", "paragraphs": [x["paragraphs"][i] for i in order],
+                        "gold": sorted(order.index(g) for g in x["gold"])})
+    return out
+
+
+def report_orders(rows: Sequence[dict], json_path: str | None, extra: dict | None = None) -> dict:
+    """Order sensitivity (records of `reordered` items): per method, the share of questions whose normalized answer
+    is the same in every order, whose first token is, and the mean accuracy over orders."""
+    by: dict[str, dict[str, list[dict]]] = {}
+    for r in rows:
+        by.setdefault(r["method"], {}).setdefault(str(r["id"]).rsplit("#", 1)[0], []).append(r)
+    out = []
+    for m, qs in by.items():
+        full = [rs for rs in qs.values() if len(rs) >= 2]
+        out.append({"method": m, "questions": len(full), "orders": statistics.fmean(len(rs) for rs in full),
+                    "same_answer": 100 * statistics.fmean(len({normalize_answer(r["text"]) for r in rs}) == 1
+                                                          for rs in full),
+                    "same_first_token": 100 * statistics.fmean(len({r["first"] for r in rs}) == 1 for rs in full),
+                    "accuracy": 100 * statistics.fmean(r["correct"] for rs in full for r in rs)})
+    write_outputs(json_path, {**(extra or {}), "machine": machine(), "methods": out},
+                  markdown_table(out, ["method", "questions", "orders", "same_answer", "same_first_token", "accuracy"],
+                                 {"orders": ".1f", "same_answer": ".1f", "same_first_token": ".1f",
+                                  "accuracy": ".1f"}))
+    return {"methods": out}
+
+
 def _done(path: str | None) -> set[str]:
     if not path or not os.path.exists(path):
         return set()

@@ -365,3 +365,18 @@ def test_gold_moved_puts_the_gold_paragraphs_at_each_position_and_reports_by_pos
     assert out["positions"] == [0, 4]
     assert out["spread"]["full"]["nll_spread"] == 4.0 and out["spread"]["sequential+pine"]["nll_spread"] == 0.0
     assert out["spread"]["full"]["accuracy_spread"] == 100.0 and (tmp_path / "litm.png").exists()
+
+
+def test_reordered_items_keep_their_gold_and_order_sensitivity_counts_unchanged_answers():
+    item = {"id": "q", "paragraphs": ["a", "b", "G", "c"], "gold": [2], "answers": ["x"], "question": "?"}
+    got = rag_qa.reordered([item], 3, seed=1)
+    assert [x["id"] for x in got] == ["q#0", "q#1", "q#2"] and got[0]["paragraphs"] == item["paragraphs"]
+    assert all(x["paragraphs"][x["gold"][0]] == "G" and sorted(x["paragraphs"]) == sorted(item["paragraphs"])
+               for x in got)
+    rows = [{"id": f"q{i}#{j}", "method": m, "text": t, "first": 1, "correct": 1}
+            for i in range(2) for j in range(3)
+            for m, t in (("plain", f"answer {j if i == 0 else 0}"), ("pine", "same"))]
+    out = {r["method"]: r for r in rag_qa.report_orders(rows, None)["methods"]}
+    assert out["plain"]["same_answer"] == 50.0 and out["pine"]["same_answer"] == 100.0
+    with pytest.raises(ValueError, match="--orders: expected an int >= 2"):
+        rag_qa.reordered([item], 1, 0)
