@@ -3,6 +3,7 @@
     recompute_slots       re-encode slots (all layers, one forward) with a given visibility: the primitive
     blend_recompute       CacheBlend: layers 0-1 for every candidate, the most deviating fraction through the rest
     AttentionMassProbe    an attention backend that records how much query rows read each cached slot
+    layer_attention_mass  the same per layer (attention_mass_of is its mean over layers)
     attention_mass_of     how much probe tokens placed after the cache (e.g. the question) read each slot
     attention_mass        how much the document's own last tokens read each earlier slot (PIE)
     query_aware_refresh   re-encode the fraction of candidate slots the probe tokens read most (RAG `seq_attn`)
@@ -21,7 +22,8 @@ from kvpos.cache import PositionedKV
 from kvpos.integrations.hf import AttentionCall, Binding, additive_mask, bind_attention, extend
 from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, run_decoder_layers, takes_logits_to_keep
 
-__all__ = ["recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of", "attention_mass",
+__all__ = ["recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of", "layer_attention_mass",
+           "attention_mass",
            "query_aware_refresh", "chunks_read_most", "attention_refresh"]
 
 
@@ -93,9 +95,11 @@ class AttentionMassProbe:
         return torch.matmul(w, v).transpose(1, 2).contiguous()
 
 
-def _layer_mass(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
+def layer_attention_mass(model: torch.nn.Module, cache: PositionedKV, probe_ids: torch.Tensor,
                 positions: torch.Tensor | None) -> torch.Tensor:
-    """attention_mass_of per layer: [L, N] (the cache is left as it was)."""
+    """How much tokens `probe_ids` [q] placed after the cache (at `positions` [q], default next_position()..) read
+    each cached slot, per layer: attention probabilities averaged over query heads and probe rows, [L, N] float32.
+    The cache is left as it was."""
     N = cache.num_slots
     if N == 0 or probe_ids.numel() == 0:
         fail("attention_mass_of", "a non-empty cache and probe", f"{N} slots, {probe_ids.numel()} probe tokens")
@@ -115,7 +119,7 @@ def attention_mass_of(model: torch.nn.Module, cache: PositionedKV, probe_ids: to
     """How much tokens `probe_ids` [q], placed after the cache (at `positions` [q], default next_position()..),
     read each cached slot: their attention probabilities over the N slots (hidden ones get 0), averaged over
     layers, query heads and probe rows. The cache is left as it was (the probe's slots are cropped). Returns [N]."""
-    return _layer_mass(model, cache, probe_ids, positions).mean(0)
+    return layer_attention_mass(model, cache, probe_ids, positions).mean(0)
 
 
 def query_aware_refresh(model: torch.nn.Module, cache: PositionedKV, candidates: torch.Tensor, ids: torch.Tensor,
@@ -158,7 +162,7 @@ def chunks_read_most(model: torch.nn.Module, cache: PositionedKV, chunk_slots: "
     for s, e in chunk_slots:
         equal.set_positions_(s, e, torch.arange(start - (e - s), start, dtype=torch.long))
     pos = torch.arange(start, start + probe_ids.numel(), dtype=torch.long)
-    mass = _layer_mass(model, equal, probe_ids, pos)
+    mass = layer_attention_mass(model, equal, probe_ids, pos)
     mass = mass[mass.shape[0] // 2:].mean(0)
     per = torch.stack([mass[s + 1:e - 5].mean() if e - s > 7 else mass[s:e].mean() for s, e in chunk_slots])
     return sorted(torch.topk(per, m).indices.tolist())
