@@ -380,3 +380,16 @@ def test_reordered_items_keep_their_gold_and_order_sensitivity_counts_unchanged_
     assert out["plain"]["same_answer"] == 50.0 and out["pine"]["same_answer"] == 100.0
     with pytest.raises(ValueError, match="--orders: expected an int >= 2"):
         rag_qa.reordered([item], 1, 0)
+
+
+import order_eval  # noqa: E402
+
+
+def test_order_eval_ranks_by_bm25_and_keeps_the_gold_when_trimming():
+    ps = ["cats purr and sleep", "the capital of France is Paris", "Paris hosts the Louvre museum", "rain"]
+    assert order_eval.bm25_rank("What is the capital of France?", ps)[:2] == [1, 2]
+    item = {"id": "q", "question": "?", "paragraphs": ["a", "b", "G1", "c", "G2"], "gold": [2, 4]}
+    (t,) = order_eval.trimmed([item], 3)
+    assert t["paragraphs"] == ["a", "G1", "G2"] and t["gold"] == [1, 2]
+    with pytest.raises(ValueError, match="--docs: expected at least 2"):
+        order_eval.trimmed([item], 1)
