@@ -141,3 +141,16 @@ def test_use_ms_poe_scopes_the_backend_and_bad_inputs_are_named():
         MsPoEBackend.scored(2, 4, rule="best")
     with pytest.raises(ValueError, match=r"MsPoEBackend scales: expected \[L, Hq=4\]"):
         _run(model, MsPoEBackend(HeadScales(torch.full((2, 3), 1.5))), IDS, 0)
+
+
+@pytest.mark.parametrize("storage", ["raw", "int8"])
+def test_ms_poe_reads_the_raw_keys_of_every_storage(storage):
+    """The backend reads layer.raw_keys: the rotated storage unrotates them, raw stores them, int8 dequantizes."""
+    model = _model("llama")
+    scales = ms_poe_scales(2, 4, first_layer=0)
+    runs = {}
+    for st in ("rotated", storage):
+        cache = PositionedCache.from_model(model, storage=st)
+        runs[st] = extend(model, cache, IDS, attention=MsPoEBackend(scales))[0]
+    tol = 1e-5 if storage == "raw" else 0.1                         # int8 keys and values: an approximation
+    assert (runs["rotated"] - runs[storage]).abs().max() < tol
