@@ -24,10 +24,12 @@ from typing import Any, Iterator
 
 import torch
 
-from .qa_data import QA_SPLITS, answer_correct, hotpotqa_items, normalize_answer, split_of, squad_items
+from .qa_data import (QA_SPLITS, answer_correct, hotpotqa_items, normalize_answer, split_of, squad_items,
+                      squad_judge_items)
 
 __all__ = ["essays_dir", "essays", "paragraphs", "passages", "needle_items", "continuation_items", "read_jsonl",
            "haystack_ids", "needle_prompt", "PLACES", "LONG_PLACES", "QA_SPLITS", "hotpotqa_items", "squad_items",
+           "squad_judge_items",
            "split_of", "normalize_answer", "answer_correct"]
 
 

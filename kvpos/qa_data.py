@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 from ._checks import check_int, fail
 
-__all__ = ["QA_SPLITS", "qa_data_dir", "split_of", "hotpotqa_items", "squad_items", "normalize_answer",
-           "answer_correct"]
+__all__ = ["QA_SPLITS", "qa_data_dir", "split_of", "hotpotqa_items", "squad_items", "squad_judge_items",
+           "normalize_answer", "answer_correct"]
 
 QA_SPLITS = ("calibration", "heldout")
 CALIBRATION_FRACTION = 0.2     # of the ids (by hash) form the calibration split
@@ -161,6 +161,34 @@ def squad_items(n: int | None = None, k: int = 9, hard: bool = False, split: str
                 out.append({"id": q["id"], "question": q["question"], "answers": sorted(set(answers)),
                             "paragraphs": picked[:at] + [text] + picked[at:], "gold": [at],
                             "split": split_of(q["id"])})
+                if n is not None and len(out) == n:
+                    return out
+    return out
+
+
+def squad_judge_items(n: int | None = None, split: str | None = "heldout") -> list[dict]:
+    """Pairwise-judge items from SQuAD 2.0 dev: a question, its paragraph, its gold answer and a wrong answer (the
+    answer of another question on the same paragraph, neither containing the other once normalized); the first `n`
+    of `split` in the dataset's order. Keys: id, question, paragraph, gold, wrong, split."""
+    _check_request("squad_judge_items", n, split)
+    with open(os.path.join(qa_data_dir(), "squad.json")) as f:
+        data = json.load(f)["data"]
+    out = []
+    for art in data:
+        for p in art["paragraphs"]:
+            qas = [(q, [x["text"] for x in _field(q["answers"])]) for q in p["qas"]
+                   if str(q.get("is_impossible")) != "True"]
+            qas = [(q, a) for q, a in qas if a]
+            for q, answers in qas:
+                if split is not None and split_of(q["id"]) != split:
+                    continue
+                gold = {normalize_answer(a) for a in answers}
+                wrong = next((b[0] for r, b in qas if r is not q and all(
+                    normalize_answer(b[0]) not in g and g not in normalize_answer(b[0]) for g in gold)), None)
+                if wrong is None:
+                    continue
+                out.append({"id": q["id"], "question": q["question"], "paragraph": p["context"],
+                            "gold": answers[0], "wrong": wrong, "split": split_of(q["id"])})
                 if n is not None and len(out) == n:
                     return out
     return out

@@ -393,3 +393,24 @@ def test_order_eval_ranks_by_bm25_and_keeps_the_gold_when_trimming():
     assert t["paragraphs"] == ["a", "G1", "G2"] and t["gold"] == [1, 2]
     with pytest.raises(ValueError, match="--docs: expected at least 2"):
         order_eval.trimmed([item], 1)
+
+
+import judge_eval  # noqa: E402
+
+
+def test_judge_eval_counts_accuracy_swap_agreement_and_first_slot_picks():
+    pick = lambda first, gold: {"picked_first": first, "picked_gold": gold, "logprobs": [0, 0]}   # noqa: E731
+    rows = [{"id": "a", "method": "m", "gold_first": pick(True, True), "wrong_first": pick(True, False)},
+            {"id": "b", "method": "m", "gold_first": pick(True, True), "wrong_first": pick(False, True)}]
+    (s,) = judge_eval.summarize(rows)
+    assert (s["accuracy"], s["swap_agreement"], s["first_slot_rate"]) == (75.0, 50.0, 75.0)
+
+
+def test_squad_judge_items_pair_the_gold_answer_with_another_answer_of_the_same_paragraph():
+    from kvpos.data import normalize_answer, squad_judge_items
+    items = squad_judge_items(40, split="heldout")
+    assert len(items) == 40 and len({x["id"] for x in items}) == 40
+    for x in items:
+        assert x["gold"] in x["paragraph"] and x["wrong"] in x["paragraph"]
+        g, w = normalize_answer(x["gold"]), normalize_answer(x["wrong"])
+        assert g not in w and w not in g
