@@ -83,11 +83,12 @@ def plot(path: str | None, series: dict[str, tuple[list, list]], xlabel: str, yl
     print(f"wrote {path}")
 
 
-def bench_parser(doc: str, *, model: bool = True, seed: int | None = None, plot: bool = False,
+def bench_parser(doc: str, *, model: bool = True, seed: int | None = None, plot: bool = False, records: bool = False,
                  model_help: str = "default: the embedded SmolLM2-135M-Instruct") -> "argparse.ArgumentParser":
     """The argument prologue every benchmark shares: --threads (default 2, the project machine's cores), --json
     (the results file; its .md table is written beside it), and where the benchmark has them --model, --seed and
-    --plot (a PNG path). The benchmark adds its own arguments, then calls `parse_bench_args`."""
+    --plot (a PNG path); records=True adds --records (a JSONL a rerun resumes from) and --report (only summarize
+    these records). The benchmark adds its own arguments, then calls `parse_bench_args`."""
 
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,6 +100,9 @@ def bench_parser(doc: str, *, model: bool = True, seed: int | None = None, plot:
     ap.add_argument("--json", default=None, help="write the results here (and the markdown table beside it)")
     if plot:
         ap.add_argument("--plot", default=None, help="PNG path")
+    if records:
+        ap.add_argument("--records", default=None, help="JSONL of per-item records; a rerun resumes from it")
+        ap.add_argument("--report", nargs="+", default=None, help="only summarize these records files")
     return ap
 
 

@@ -74,12 +74,10 @@ def report(rows: list[dict], json_path: str | None, extra: dict) -> None:
 
 
 def main(argv=None) -> None:
-    ap = bench_parser(__doc__.split("\n")[0], seed=0)
+    ap = bench_parser(__doc__.split("\n")[0], seed=0, records=True)
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--split", choices=["calibration", "heldout"], default="heldout")
     ap.add_argument("--methods", nargs="+", default=["full", "sequential", "sequential+pine"])
-    ap.add_argument("--records", default=None)
-    ap.add_argument("--report", nargs="+", default=None)
     a = parse_bench_args(ap, argv)
     if a.report:
         report(rag_qa.read_records(a.report), a.json, {"records": a.report})

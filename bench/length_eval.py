@@ -135,14 +135,12 @@ def report(rows: list[dict], bucket: int, json_path: str | None, extra: dict) ->
 
 
 def main(argv=None) -> None:
-    ap = bench_parser(__doc__.split("\n")[0], seed=0)
+    ap = bench_parser(__doc__.split("\n")[0], seed=0, records=True)
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--bucket", type=int, default=2048)
     ap.add_argument("--policies", nargs="+", default=None, help="a subset of the module docstring's names")
-    ap.add_argument("--records", default=None, help="JSONL, one line per (sample, policy); a rerun resumes")
-    ap.add_argument("--report", nargs="+", default=None, help="only summarize these records")
     a = parse_bench_args(ap, argv)
     for name in ("length", "samples", "chunk", "bucket"):
         if getattr(a, name) < 1:

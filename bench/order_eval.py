@@ -131,7 +131,7 @@ def _basin_outputs(basin: AttentionBasin, path: str, tau: float) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = bench_parser(__doc__.split("\n")[0], seed=0)
+    ap = bench_parser(__doc__.split("\n")[0], seed=0, records=True)
     ap.add_argument("--data", choices=["squad", "squad-hard", "hotpotqa"], default="hotpotqa")
     ap.add_argument("--docs", type=int, default=None, help="documents per question (gold + first distractors)")
     ap.add_argument("--profile-n", type=int, default=100)
@@ -139,8 +139,6 @@ def main(argv=None) -> None:
     ap.add_argument("--tau", type=float, default=1.5, help="basin threshold on the edge ratio")
     ap.add_argument("--methods", nargs="+", default=["full", "sequential"])
     ap.add_argument("--max-new", type=int, default=24)
-    ap.add_argument("--records", default=None)
-    ap.add_argument("--report", nargs="+", default=None)
     a = parse_bench_args(ap, argv)
     if a.report:
         report(rag_qa.read_records(a.report), a.json, {"records": a.report})
