@@ -24,7 +24,7 @@ import torch
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 from kvpos.posmap import (MS_POE_FIRST_LAYER, MS_POE_MAX, MS_POE_MIN, HeadScales, assign_ratios, ms_poe_scales,
-                          position_awareness, scaled_attend)
+                          position_awareness, rotate_heads, scaled_attend, scaled_cos_sin)
 from kvpos.rope import unrotate
 from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
 
@@ -43,6 +43,7 @@ class MsPoEBackend:
         self.scales = scales
         self._scored: dict | None = None            # scored form: its parameters and the head order chosen per layer
         self.head_index: dict[int, torch.Tensor] = {}
+        self.read_counts = {"fused": 0, "torch": 0}  # which path served each scaled call (decode: the fused kernel)
 
     @classmethod
     def scored(cls, layers: int, q_heads: int, rule: str = "rank", r_min: float = MS_POE_MIN,
@@ -100,8 +101,22 @@ class MsPoEBackend:
         allowed = call.allowed().expand(B, 1, Lq, N)
         if r is None:
             r = self._choose(call, q_raw, k_raw, allowed)
-        out = scaled_attend(q_raw, k_raw, layer.values, q_pos, pos, r, layer.spec, call.scaling, allowed)
+        out = _decode_fused(cache, call, q_raw, q_pos, r, allowed) if Lq == 1 else None
+        self.read_counts["torch" if out is None else "fused"] += 1
+        if out is None:
+            out = scaled_attend(q_raw, k_raw, layer.values, q_pos, pos, r, layer.spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
+
+
+def _decode_fused(cache: PositionedKV, call: AttentionCall, q_raw: torch.Tensor, q_pos: torch.Tensor,
+                  r: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+    """One query row per batch row over storage="raw" by the position-map decode kernel: [B, Hq, 1, D] float32,
+    or None where it cannot serve (then scaled_attend computes the same numbers)."""
+    spec = cache.layers[call.layer].spec
+    q = rotate_heads(q_raw, *scaled_cos_sin(q_pos, r, spec), spec, spec.attention_scaling)       # [B, Hq, 1, D]
+    mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
+    out = cache.decode_mapped(call.layer, q, mask, call.scaling, ratios=r)
+    return None if out is None else out[:, :, None]
 
 
 @contextlib.contextmanager

@@ -25,8 +25,8 @@ import torch
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_CHUNK0
-from kvpos.posmap import offset_attend, pine_shifts, segment_importance
-from kvpos.rope import unrotate
+from kvpos.posmap import offset_attend, pine_shifts, rotate_heads, segment_importance
+from kvpos.rope import cos_sin, unrotate
 from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
 
 __all__ = ["PineLiteBackend", "use_pine_lite", "document_layout"]
@@ -51,9 +51,22 @@ def document_layout(segment: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
 
 
 class PineLiteBackend:
-    """Attention backend: PINE-lite over the bound cache (module docstring)."""
+    """Attention backend: PINE-lite over the bound cache (module docstring). Decode steps over storage="raw" run the
+    fused position-map kernel (one query variant per document); `read_counts` says which path served."""
 
     needs_cache = True
+
+    def __init__(self) -> None:
+        self.read_counts = {"fused": 0, "torch": 0}
+        self._layout: tuple | None = None           # (segments, positions, document_layout of them): one per step
+
+    def layout(self, seg: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """document_layout(seg, pos), computed once while the slots' segments and positions stay equal (every layer
+        of a step reads the same ones; the check is against copies, so an in-place position change is seen)."""
+        last = self._layout
+        if last is None or last[0].shape != seg.shape or not torch.equal(last[0], seg) or not torch.equal(last[1], pos):
+            last = self._layout = (seg.clone(), pos.clone(), document_layout(seg, pos))
+        return last[2]
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
         cache = binding.cache_layer_keys(call)
@@ -65,15 +78,31 @@ class PineLiteBackend:
             fail("PineLiteBackend", "query rows that are not document slots (documents are encoded apart, then "
                  "composed; only the question and answer run under the backend)", "document slots among the rows")
         pos = cache.table.pos[:, :N].to(call.query.device)
-        doc, n, start, size, end = document_layout(seg, pos)
+        doc, n, start, size, end = self.layout(seg, pos)
         if n == 0:
             return call.plain()                     # no documents: plain attention
         allowed = call.allowed().expand(B, 1, Lq, N)
         q_raw = unrotate(call.query, pos[:, N - Lq:], layer.spec)
         imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
         shift = pine_shifts(imp, start, size, end)
-        out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
+        out = _decode_fused(cache, call, doc, shift, allowed) if Lq == 1 else None
+        self.read_counts["torch" if out is None else "fused"] += 1
+        if out is None:
+            out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
+
+
+def _decode_fused(cache: PositionedKV, call: AttentionCall, doc: torch.Tensor, shift: torch.Tensor,
+                  allowed: torch.Tensor) -> torch.Tensor | None:
+    """One query row over storage="raw" by the position-map kernel: variant 0 the query as it is (non-document
+    slots), variant d + 1 the query turned back by document d's shift; [B, Hq, 1, D] float32 or None."""
+    B, Hq, _, n = shift.shape
+    c, s = cos_sin((-shift).reshape(B, Hq, n), cache.layers[call.layer].spec)
+    turned = rotate_heads(call.query.float().expand(B, Hq, n, -1), c, s, cache.layers[call.layer].spec, 1.0)
+    q = torch.cat([call.query.float(), turned], 2)                                              # [B, Hq, n+1, D]
+    mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
+    out = cache.decode_mapped(call.layer, q, mask, call.scaling, seg=doc + 1)
+    return None if out is None else out[:, :, None]
 
 
 @contextlib.contextmanager

@@ -24,7 +24,10 @@ import tempfile
 
 import torch
 
-__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "decode_q8_kernel", "score_int8_kernel",
+from ._checks import fail
+
+__all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "decode_heads_kernel",
+           "decode_q8_kernel", "score_int8_kernel",
            "topk_indices", "transpose_int8_blocks"]
 
 # the C sources: kvpos/csrc/*.c (and common.h), shipped as package data, compiled together into one library
@@ -81,6 +84,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 8 + [i64] * 12 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = None
+    for name in ("kvpos_decode_heads_f32", "kvpos_decode_heads_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [vp] * 8 + [i64] + [vp] * 3 + [i64] * 14 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
     for name in ("kvpos_decode_q8_f32", "kvpos_decode_q8_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 13 + [i64] * 20 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -215,6 +222,80 @@ def decode_raw_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
        out.data_ptr(), work.data_ptr(), B, Hkv, G, N, D, rotary_dim, cs.shape[0], 1 if m is None else m.shape[0],
        k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
        max(1, torch.get_num_threads()))
+    return out
+
+
+def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        head_table: torch.Tensor, seg: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
+                        rotary_dim: int, interleaved: bool, fpos: torch.Tensor | None = None
+                        ) -> torch.Tensor | None:
+    """`decode_raw_kernel` under read-time position maps: [B, Hq, D] float32.
+
+    q [B, Hq, V, D]: V rotated variants of each query head (any float dtype); k, v [B, Hkv, N, D] raw keys and
+    values as decode_raw_kernel; cos / sin [Rt, Bc, N, R/2] float32 (Bc in {1, B}): Rt rotation tables of the slots,
+    already multiplied by the RoPE attention scaling; head_table [Hq] int64 in [0, Rt): the table query head h
+    rotates keys with; seg [Bs, N] int (Bs in {1, B}) in [0, V) or None: the variant of the query each key is scored
+    with (None: variant 0). Per-head position scales (Ms-PoE) are tables; per-(head, segment) offsets (PINE) are
+    query variants. With fpos [Bc, N] int64 (the slots' integer positions) the tables are factored instead
+    (`kvpos.posmap.factored_tables`): cos / sin [Rt, NT, R/2], the angle of position t the sum of row t mod 64
+    (unscaled) and row 64 + t // 64 (times the attention scaling), multiplied in registers: tables of a few KB
+    where full ones take Rt * N rows. None where the kernel cannot serve; ValueError on indices outside the tables
+    or variants (found by the kernel, which never reads them). Float64 reference:
+    `kvpos.reference.decode_heads_ref`."""
+    if torch.compiler.is_compiling():
+        return None
+    B, Hkv, N, D = k.shape
+    if (q.dim() != 4 or k.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16)
+            or v.dtype != k.dtype or v.shape != k.shape or k.stride(3) != 1 or k.stride(2) != D
+            or v.stride(3) != 1 or v.stride(2) != D or k.requires_grad or v.requires_grad
+            or cos.dim() != (4 if fpos is None else 3)
+            or cos.shape != sin.shape or cos.dtype != torch.float32 or sin.dtype != torch.float32):
+        return None
+    Hq, V = q.shape[1], q.shape[2]
+    if fpos is None:
+        Rt, Bc, Nc, h2 = cos.shape
+        NT, fp = 0, None
+        if Nc != N or h2 != rotary_dim // 2 or Bc not in (1, B):
+            fail("decode_heads_kernel cos/sin", f"[Rt, 1 or B={B}, N={N}, R/2={rotary_dim // 2}]", list(cos.shape))
+    else:
+        Rt, NT, h2 = cos.shape
+        fp = fpos.to(torch.int64).reshape(-1, N).contiguous()
+        Bc = fp.shape[0]
+        if h2 != rotary_dim // 2 or NT <= 64 or Bc not in (1, B):
+            fail("decode_heads_kernel factored cos/sin, fpos", f"[Rt, NT > 64, R/2={rotary_dim // 2}], [1 or B, N]",
+                 f"{list(cos.shape)}, {list(fpos.shape)}")
+    ht = head_table.to(torch.int64).contiguous()
+    rows = ht.tolist() if ht.dim() == 1 else []
+    if len(rows) != Hq or min(rows) < 0 or max(rows) >= Rt:
+        fail("decode_heads_kernel head_table", f"[Hq={Hq}] ints in [0, {Rt})", f"{list(ht.shape)}: {rows}")
+    sg = None if seg is None else seg.to(torch.int32).reshape(-1, N).contiguous()   # range: checked by the kernel
+    if sg is not None and sg.shape[0] not in (1, B):
+        fail("decode_heads_kernel seg", f"[1 or B={B}, N={N}] ints", list(seg.shape))
+    m = None if mask is None else mask.reshape(-1, N).to(torch.float32).contiguous()
+    if (Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0 or q.shape[0] != B or q.shape[3] != D
+            or (m is not None and m.shape[0] not in (1, B))):
+        return None
+    lib = _get()
+    if lib is None:
+        return None
+    G = Hq // Hkv
+    work = torch.empty(B * Hkv * ((N + 127) // 128) * G * (D + 2), dtype=torch.float32)
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    qc = q.to(torch.float32).contiguous()
+    cs, sn = cos.contiguous(), sin.contiguous()
+    fn = lib.kvpos_decode_heads_f32 if k.dtype == torch.float32 else lib.kvpos_decode_heads_bf16
+    bad = fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), cs.data_ptr(), sn.data_ptr(), ht.data_ptr(),
+             0 if sg is None else sg.data_ptr(), 0 if fp is None else fp.data_ptr(), NT,
+             0 if m is None else m.data_ptr(), out.data_ptr(), work.data_ptr(),
+             B, Hkv, G, V, N, D, rotary_dim, Bc, 1 if sg is None else sg.shape[0], 1 if m is None else m.shape[0],
+             k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
+             max(1, torch.get_num_threads()))
+    if bad & 1:
+        fail("decode_heads_kernel seg", f"ints in [0, V={V}) (the query variants)",
+             f"range [{int(sg.min())}, {int(sg.max())}]")
+    if bad & 2:
+        fail("decode_heads_kernel fpos", f"positions in [0, {64 * (NT - 64)}) (the factored tables' span)",
+             f"range [{int(fp.min())}, {int(fp.max())}]", "build the tables for the largest position")
     return out
 
 

@@ -27,7 +27,7 @@ import torch
 from ._checks import fail
 from .rope import RopeSpec, _pairs, cos_sin
 
-__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "rotate_heads", "scaled_attend", "position_awareness",
+__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "factored_tables", "rotate_heads", "scaled_attend", "position_awareness",
            "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "MS_POE_MIN", "MS_POE_MAX",
            "MS_POE_FIRST_LAYER"]
 
@@ -95,6 +95,23 @@ def scaled_cos_sin(pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec) -> t
     scaled = pos.to(torch.float64)[:, None, :] / ratios.to(device=pos.device, dtype=torch.float64)[None, :, None]
     ang = scaled[..., None] * inv
     return ang.cos().float(), ang.sin().float()
+
+
+def factored_tables(ratios: torch.Tensor, positions: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factored rotation tables of the position-map decode kernel (`kvpos._kernels.decode_heads_kernel` with
+    fpos) for positions 0 .. positions-1 at scales p -> p / r: cos, sin [Rt, 64 + ceil(positions / 64), R/2] float32,
+    row l < 64 the angle (l / r) * inv_freq, row 64 + m the angle (64 m / r) * inv_freq times the attention scaling
+    (computed in float64, rounded once). ratios [Rt] > 0."""
+    if not isinstance(positions, int) or positions < 1:
+        fail("factored_tables positions", "an int >= 1 (one past the largest slot position)", positions)
+    r = torch.as_tensor(ratios, dtype=torch.float64).reshape(-1, 1, 1)
+    inv = spec.inv_freq.to(torch.float64)
+    steps = torch.cat([torch.arange(64, dtype=torch.float64),
+                       64.0 * torch.arange((positions + 63) // 64, dtype=torch.float64)])
+    ang = steps[None, :, None] / r * inv
+    s = torch.ones(steps.shape[0], 1, dtype=torch.float64)
+    s[64:] = spec.attention_scaling
+    return (ang.cos() * s).float(), (ang.sin() * s).float()
 
 
 def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, scale: float
@@ -170,9 +187,11 @@ def segment_importance(q_raw: torch.Tensor, k_raw: torch.Tensor, doc: torch.Tens
     document slots only, summed per document and divided by its size. q_raw [B, Hq, q, D], k_raw [B, H, N, D],
     doc [B, N] int64 (the document of each slot, -1 for the others), allowed [B|1, 1, q, N] or None. Returns
     float32 [B, Hq, q, n_docs]."""
-    B, Hq, Lq, _ = q_raw.shape
-    g = Hq // k_raw.shape[1]
-    s = (q_raw.float() @ k_raw.float().repeat_interleave(g, 1).transpose(-1, -2)) * sm_scale
+    B, Hq, Lq, D = q_raw.shape
+    H, N = k_raw.shape[1], k_raw.shape[2]
+    g = Hq // H
+    # the G query heads of a group read their shared key head in one product (no G-fold key copy)
+    s = (q_raw.float().reshape(B, H, g * Lq, D) @ k_raw.float().transpose(-1, -2)).reshape(B, Hq, Lq, N) * sm_scale
     ok = (doc >= 0)[:, None, None, :]
     if allowed is not None:
         ok = ok & allowed

@@ -11,7 +11,8 @@ import torch
 from .rope import RopeLayout, RopeSpec
 
 __all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "dequant_q8_ref", "decode_q8_ref",
-           "ape_merge_ref", "windowed_score_ref", "distance_attend_ref", "scaled_attend_ref"]
+           "ape_merge_ref", "windowed_score_ref", "distance_attend_ref", "scaled_attend_ref",
+           "decode_heads_ref"]
 
 
 def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
@@ -175,3 +176,32 @@ def scaled_attend_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def decode_heads_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor,
+                     head_table: torch.Tensor, seg: torch.Tensor | None, spec: RopeSpec,
+                     allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """What the read-time position-map decode kernel computes, in float64, one explicit matrix per (head, key):
+    query head h rotates key j of its group to the (possibly fractional) position kpos[head_table[h], b, j] and
+    scores it with its query variant q[b, h, seg[b, j]]. q [B, Hq, V, D] rotated, k_raw / v [B, H, N, D],
+    kpos [Rt, B|1, N] float, head_table [Hq] ints, seg [B|1, N] ints or None (variant 0), allowed [B, N] bool or
+    None. Returns [B, Hq, D]."""
+    B, Hq, V, D = q.shape
+    H, N = k_raw.shape[1], k_raw.shape[2]
+    g = Hq // H
+    out = torch.zeros(B, Hq, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            t = int(head_table[h])
+            s = torch.empty(N, dtype=torch.float64)
+            for j in range(N):
+                p = float(kpos[t, b if kpos.shape[1] > 1 else 0, j])
+                kj = rotation_matrix_ref(p, spec) @ k_raw[b, h // g, j].double()
+                var = 0 if seg is None else int(seg[b if seg.shape[0] > 1 else 0, j])
+                s[j] = float(q[b, h, var].double() @ kj) * scale
+            if allowed is not None:
+                s = s.masked_fill(~allowed[b], float("-inf"))
+            if bool(torch.isinf(s).all()):
+                continue
+            out[b, h] = torch.softmax(s, -1) @ v[b, h // g].double()
+    return out

@@ -37,10 +37,10 @@ def _model(arch):
     return tiny_model(arch, **({"sliding_window": 4096} if arch == "gemma3" else {}))[0]
 
 
-def _run(model, backend, ids, steps, read_time=False):
+def _run(model, backend, ids, steps, read_time=False, storage="rotated"):
     """Prompt `ids` (under `backend`, or plainly but its last 4 tokens when read_time), then greedy decode steps
     under it: the logits of every call."""
-    cache = PositionedCache.from_model(model)
+    cache = PositionedCache.from_model(model, storage=storage)
     if read_time:
         extend(model, cache, ids[:, :-4])
         ids = ids[:, -4:]
@@ -54,13 +54,16 @@ IDS = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "cohere", "gemma3"])
-@pytest.mark.parametrize("read_time", [False, True])
-def test_ms_poe_equals_the_float64_per_head_reference_in_prefill_and_decode(arch, read_time):
+@pytest.mark.parametrize("read_time,storage", [(False, "rotated"), (True, "rotated"), (True, "raw")])
+def test_ms_poe_equals_the_float64_per_head_reference_in_prefill_and_decode(arch, read_time, storage):
+    """storage="raw": decode steps run the fused position-map kernel (read_counts says so)."""
     model = _model(arch)
     cfg = model.config
     scales = ms_poe_scales(cfg.num_hidden_layers, cfg.num_attention_heads, first_layer=1,
                            index=torch.tensor([2, 0, 3, 1]))
-    got = _run(model, MsPoEBackend(scales), IDS, 3, read_time)
+    backend = MsPoEBackend(scales)
+    got = _run(model, backend, IDS, 3, read_time, storage)
+    assert backend.read_counts["fused"] == (3 * (cfg.num_hidden_layers - 1) if storage == "raw" else 0)
     want = _run(model, ScaledReference(scales.for_layer), IDS, 3, read_time)
     plain = _run(model, None, IDS, 0, read_time)[0]
     assert (got[0] - plain).abs().max() > 1e-3                    # the scales change what the model computes

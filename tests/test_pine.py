@@ -22,22 +22,24 @@ def _setup(arch, n_docs=4, seed=0):
     return model, ChunkComposer(model, anchor), docs, torch.randint(3, 128, (1, 4), generator=g)
 
 
-def _answer(model, composer, docs, q, backend, steps=2):
-    cache, _ = composer.compose(docs, layout="sequential")
+def _answer(model, composer, docs, q, backend, steps=2, storage=None):
+    cache, _ = composer.compose(docs, layout="sequential", storage=storage)
     logits = [extend(model, cache, q, attention=backend)[0]]
     for _ in range(steps):
         logits.append(extend(model, cache, logits[-1][-1].argmax()[None, None], attention=backend)[0])
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "cohere"])
-def test_pine_lite_answers_do_not_depend_on_the_order_of_the_documents(arch):
+@pytest.mark.parametrize("arch,storage", [("llama", None), ("qwen2", None), ("phi3", None), ("cohere", None),
+                                          ("llama", "raw")])
+def test_pine_lite_answers_do_not_depend_on_the_order_of_the_documents(arch, storage):
+    """storage="raw": the decode steps through the fused kernel, invariant too."""
     model, composer, docs, q = _setup(arch)
-    first = _answer(model, composer, docs, q, PineLiteBackend())
+    first = _answer(model, composer, docs, q, PineLiteBackend(), storage=storage)
     plain = [_answer(model, composer, docs, q, None, steps=0)]
     worst = 0.0
     for perm in itertools.permutations(range(4)):
-        got = _answer(model, composer, [docs[i] for i in perm], q, PineLiteBackend())
+        got = _answer(model, composer, [docs[i] for i in perm], q, PineLiteBackend(), storage=storage)
         worst = max(worst, float((got - first).abs().max()))
         if len(plain) < 3:
             plain.append(_answer(model, composer, [docs[i] for i in perm], q, None, steps=0))
@@ -88,10 +90,14 @@ class ExplicitPine:
         return AttentionCall.finish(out.to(call.query.dtype))
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "cohere"])
-def test_pine_lite_equals_the_explicit_position_reference_in_prefill_and_decode(arch):
+@pytest.mark.parametrize("arch,storage", [("llama", None), ("phi3", None), ("cohere", None), ("llama", "raw"),
+                                          ("phi3", "raw"), ("qwen2", "raw")])
+def test_pine_lite_equals_the_explicit_position_reference_in_prefill_and_decode(arch, storage):
+    """storage="raw": decode steps run the fused position-map kernel (read_counts says so)."""
     model, composer, docs, q = _setup(arch, seed=1)
-    got = _answer(model, composer, docs, q, PineLiteBackend())
+    backend = PineLiteBackend()
+    got = _answer(model, composer, docs, q, backend, storage=storage)
+    assert backend.read_counts["fused"] == (2 * model.config.num_hidden_layers if storage == "raw" else 0)
     want = _answer(model, composer, docs, q, ExplicitPine())
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
 

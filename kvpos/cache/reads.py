@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import fail
-from .._kernels import decode_q8_kernel, decode_raw_kernel
+from .._kernels import decode_heads_kernel, decode_q8_kernel, decode_raw_kernel
 from .storages import INT8, RAW, StorageMode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
 from .layers import SlotLayer
+from ..posmap import factored_tables, scaled_cos_sin
 
 
 @dataclass
@@ -43,6 +44,19 @@ class _ReadState:
             cos, sin = cos[:, 0], sin[:, 0]
             cs = self.cs[key] = (cos * s, sin * s) if s != 1.0 else (cos, sin)
         return cs
+
+    def factored(self, spec: RopeSpec, ratios: tuple[float, ...], pos: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Factored tables [Rt, NT, R/2] of positions p / r for each distinct ratio (kvpos.posmap.factored_tables),
+        spanning the first `n` slot positions; None when one of them is negative (the factored form needs t >= 0).
+        Once per (spec, ratios) and forward, shared by its layers."""
+        key = ("factored", spec.identity, ratios)
+        if key not in self.cs:
+            p = pos[:, : self.n]
+            lo, hi = (int(p.min()), int(p.max())) if p.numel() else (0, 0)
+            self.cs[key] = None if lo < 0 else factored_tables(torch.tensor(ratios, dtype=torch.float64), hi + 1,
+                                                               spec)
+        return self.cs[key]
 
     def value_buffer(self, layer: "SlotLayer") -> torch.Tensor:
         """[B, H, n, Dv] in the keys' dtype: where storage="int8" dequantizes a layer's values (shared by layers)."""
@@ -160,3 +174,38 @@ class _Reads:
                                     d["vt"], d["cos"], d["sin"], mask, scale, spec.rotary_dim, inter)
         k, v, cos, sin = self.fused_inputs_raw(index, state)
         return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)
+
+    def decode_mapped(self, index: int, q: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                      ratios: torch.Tensor | None = None, seg: torch.Tensor | None = None,
+                      state: "_ReadState | None" = None) -> torch.Tensor | None:
+        """Decode attention over layer `index` (storage="raw") under read-time position maps, by the fused kernel:
+        [B, Hq, D] float32, or None where it cannot serve (another storage, no kernel, unsupported shapes).
+
+        q [B, Hq, V, D]: V rotated variants of each query head (for scales: rotated at p / ratios[h], times the
+        attention scaling); ratios [Hq] or None: query head h reads key positions t / ratios[h] (Ms-PoE; None: the
+        slots' own positions); seg [B|1, T] ints in [0, V) or None: the variant each key is scored with (PINE's
+        per-document offsets; None: variant 0); mask None or additive float32 [B|1, T]; state: a read state shared
+        by calls (default: the running forward's, whose tables its layers share). Float64 reference:
+        `kvpos.reference.decode_heads_ref`."""
+        l = self.layers[index]
+        if l.mode is not RAW or not l.allocated:
+            return None
+        st = self.read_state() if state is None else state
+        if st.n != l.n:
+            st = _ReadState(l.n)
+        spec, R, inter = l.spec, l.spec.rotary_dim, l.spec.layout is RopeLayout.INTERLEAVED
+        k, v = l.raw_k[:, :, : l.n], l.v[:, :, : l.n]
+        if ratios is None:
+            cos, sin = st.scaled_cos_sin(spec, self.table.pos, l.slot_device)
+            table = torch.zeros(q.shape[1], dtype=torch.long)
+            return decode_heads_kernel(q, k, v, cos[None], sin[None], table, seg, mask, scale, R, inter)
+        vals, table = torch.unique(ratios.double(), return_inverse=True)
+        key = tuple(vals.tolist())
+        fac = st.factored(spec, key, self.table.pos)
+        if fac is not None:
+            return decode_heads_kernel(q, k, v, fac[0], fac[1], table, seg, mask, scale, R, inter,
+                                       fpos=self.table.pos[:, : l.n])
+        cos, sin = scaled_cos_sin(self.table.pos[:, : l.n], vals, spec)         # [B, Rt, T, R/2]: full tables
+        s = spec.attention_scaling
+        return decode_heads_kernel(q, k, v, (cos * s).transpose(0, 1), (sin * s).transpose(0, 1), table, seg, mask,
+                                   scale, R, inter)

@@ -179,7 +179,9 @@ static inline __m256 exp8_nonpos(__m256 x) {
         for (int64_t i = 0; i < D; i++) o[i] /= L;                                                             \
     }
 
-#define DECODE_BODY(LOAD, LD8)                                                                                 \
+#define DECODE_BODY(LOAD, LD8) DECODE_BODY_WITH(LOAD, LD8, KV_SCORES_VEC, SCORES_SCALAR)
+/* the raw-key decode loop, scores by SVEC(LD8) (AVX2) or SSCALAR(LOAD) (plain C) */
+#define DECODE_BODY_WITH(LOAD, LD8, SVEC, SSCALAR)                                                             \
     const int64_t h2 = R / 2, nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch;                     \
     const int vec = KV_AVX2 && layout == 0 && h2 % 8 == 0 && (D - R) % 8 == 0;                               \
     const int vecv = KV_AVX2 && D % 32 == 0;                                                                  \
@@ -192,7 +194,7 @@ static inline __m256 exp8_nonpos(__m256 x) {
         const float *crow = cs + (Bc > 1 ? b : 0) * N * h2, *nrow = sn + (Bc > 1 ? b : 0) * N * h2;           \
         const float *mrow = mask ? mask + (Bm > 1 ? b : 0) * N : 0;                                           \
         float sc[KV_MAXG][KV_CHUNK], acc[KV_MAXG][256];                                                        \
-        if (vec) { KV_SCORES_VEC(LD8) } else { SCORES_SCALAR(LOAD) }                                           \
+        if (vec) { SVEC(LD8) } else { SSCALAR(LOAD) }                                                         \
         CHUNK_SOFTMAX(NO_WEIGHT, LOAD)                                                                         \
         if (vecv) { KV_VACC_VEC(LD8) } else {                                                                \
         for (int64_t j = 0; j < nj; j++) {                 /* each value row read once, for every query */     \
@@ -227,6 +229,132 @@ static inline __m256 exp8_nonpos(__m256 x) {
                     float scale, int layout, int nthreads
 void kvpos_decode_raw_f32(DECODE_ARGS) { typedef float T; const T *k = kp, *v = vp; DECODE_BODY(IDENT, ld8_f32) }
 void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *v = vp; DECODE_BODY(bf16_load, ld8_bf16) }
+
+/* Decode attention over RAW keys under read-time position maps (kvpos.posmap): query head h*G+g rotates each key
+   with its own table (per-head position scales, Ms-PoE) and scores it with the query variant of the key's segment
+   (per-(head, segment) offsets, PINE). q float32 [B, Hq, V, D]: V rotated variants of each query head; cs, sn float32
+   [Rt, Bc, N, R/2]: Rt rotation tables (cos/sin of each slot's mapped position, times the attention scaling), or,
+   with fpos int64 [Bc, N] (slot positions in [0, 64 * (NT - 64))), factored tables [Rt, NT, R/2] whose rows 0..63
+   hold the angles of t mod 64 (unscaled) and rows 64 + m those of 64 m (times the scaling): the key turns by the
+   first, the query back by the second, s R(-hi) q . R(lo) k = q . s R(hi + lo) k (small tables that stay in cache,
+   for per-head scales p -> p / r);
+   hrow int64 [Hq]: the table of each query head; seg int32 [Bs, N] (Bs in {1, B}) or NULL: the query variant each
+   key is scored with (NULL: variant 0; out of range: variant 0 and a return value of 1). Other arguments as
+   kvpos_decode_raw_*. A group whose G heads share one table
+   rotates each key once, as the plain kernel does; otherwise each key is rotated once per head, in registers. */
+#define HEADS_PRE                                                                                              \
+        int64_t sj = srow ? srow[j] : 0;                                                                       \
+        if (sj < 0 || sj >= V) { sj = 0; _Pragma("omp atomic") bad |= 1; }    /* reported, never read */      \
+        int64_t tj = fpos ? fpos[bc * N + j] : 0;                                                              \
+        if (fpos && (tj < 0 || (tj >> 6) >= NT - 64)) { tj = 0; _Pragma("omp atomic") bad |= 2; }             \
+        const float *qv[KV_MAXG], *cg[KV_MAXG], *ng[KV_MAXG];                                                  \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            qv[g] = q + ((b * Hkv * G + h * G + g) * V + sj) * D;                                              \
+            if (!fpos) {                                                                                       \
+                cg[g] = cs + ((hrow[h * G + g] * Bc + bc) * N + j) * h2;                                       \
+                ng[g] = sn + ((hrow[h * G + g] * Bc + bc) * N + j) * h2;                                       \
+                continue;                                                                                      \
+            }                                                                                                  \
+            /* factored: the key turns by row t mod 64, the query back by row 64 + t / 64 (kept while the     \
+               (t / 64, variant) pair repeats, as it does along contiguous positions) */                      \
+            const int64_t base = hrow[h * G + g] * NT, key = (tj >> 6) * V + sj;                              \
+            cg[g] = cs + (base + (tj & 63)) * h2; ng[g] = sn + (base + (tj & 63)) * h2;                       \
+            if (key != qkey[g]) {                                                                              \
+                const float *ch = cs + (base + 64 + (tj >> 6)) * h2, *nh = sn + (base + 64 + (tj >> 6)) * h2; \
+                for (int64_t i = 0; i < h2; i++) {                                                             \
+                    const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;        \
+                    qbuf[g][ia] = qv[g][ia] * ch[i] + qv[g][ie] * nh[i];                                       \
+                    qbuf[g][ie] = qv[g][ie] * ch[i] - qv[g][ia] * nh[i];                                       \
+                }                                                                                              \
+                for (int64_t i = R; i < D; i++) qbuf[g][i] = qv[g][i];                                         \
+                qkey[g] = key;                                                                                 \
+            }                                                                                                  \
+            qv[g] = qbuf[g];                                                                                   \
+        }
+#define HEADS_SCORES_SCALAR(LOAD)                                                                              \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        HEADS_PRE                                                                                              \
+        const T *kj = kr + j * D;                                                                              \
+        float kf[256], kx[256];                                                                                \
+        for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kj[i]);                                                   \
+        for (int64_t i = R; i < D; i++) kx[i] = kf[i];                                                         \
+        const float add = mrow ? mrow[j] : 0.0f;                                                               \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            for (int64_t i = 0; i < h2; i++) {                                                                 \
+                const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;            \
+                kx[ia] = kf[ia] * cg[g][i] - kf[ie] * ng[g][i];                                                \
+                kx[ie] = kf[ie] * cg[g][i] + kf[ia] * ng[g][i];                                                \
+            }                                                                                                  \
+            float dot = 0.0f;                                                                                  \
+            for (int64_t i = 0; i < D; i++) dot += qv[g][i] * kx[i];                                           \
+            sc[g][j - j0] = dot * scale + add;                                                                 \
+        }                                                                                                      \
+    }
+#if KV_AVX2
+#define HEADS_SCORES_AVX2(LD8, GC)                                                                             \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        HEADS_PRE                                                                                              \
+        const T *kj = kr + j * D;                                                                              \
+        __m256 acc[KV_MAXG];                                                                                   \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
+        for (int64_t i = 0; i < h2; i += 8) {                                                                  \
+            const __m256 a = LD8(kj + i), e = LD8(kj + i + h2);                                                \
+            if (shared) {                                                                                       \
+                const __m256 c = _mm256_loadu_ps(cg[0] + i), n = _mm256_loadu_ps(ng[0] + i);                   \
+                const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                  \
+                const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                  \
+                for (int64_t g = 0; g < (GC); g++) {                                                           \
+                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + i), ra, acc[g]);                          \
+                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + i + h2), rb, acc[g]);                     \
+                }                                                                                              \
+            } else {                                                                                           \
+                for (int64_t g = 0; g < (GC); g++) {                                                           \
+                    const __m256 c = _mm256_loadu_ps(cg[g] + i), n = _mm256_loadu_ps(ng[g] + i);               \
+                    const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                              \
+                    const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                              \
+                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + i), ra, acc[g]);                          \
+                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + i + h2), rb, acc[g]);                     \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i += 8) {                                                                   \
+            const __m256 x = LD8(kj + i);                                                                      \
+            for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + i), x, acc[g]);\
+        }                                                                                                      \
+        const float add = mrow ? mrow[j] : 0.0f;                                                               \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                        \
+    }
+#define HEADS_SCORES_VEC(LD8) BY_G(HEADS_SCORES_AVX2, LD8)
+#else
+#define HEADS_SCORES_VEC(LD8)
+#endif
+
+/* the per-work-item values the heads scoring reads: the batch row of the tables and segments, whether the G heads
+   of kv head h share one table */
+#define HEADS_SETUP                                                                                            \
+        const int64_t bc = Bc > 1 ? b : 0;                                                                     \
+        const int32_t *srow = seg ? seg + (Bs > 1 ? b : 0) * N : 0;                                            \
+        int shared = 1;                                                                                        \
+        float qbuf[KV_MAXG][256];                                                                              \
+        int64_t qkey[KV_MAXG];                                                                                 \
+        for (int64_t g = 0; g < G; g++) qkey[g] = -1;                                                          \
+        for (int64_t g = 1; g < G; g++) shared &= hrow[h * G + g] == hrow[h * G];
+#define HEADS_VEC(LD8) { HEADS_SETUP HEADS_SCORES_VEC(LD8) }
+#define HEADS_SCALAR(LOAD) { HEADS_SETUP HEADS_SCORES_SCALAR(LOAD) }
+
+#define DECODE_HEADS_ARGS const float *q, const void *kp, const void *vp, const float *cs, const float *sn,        \
+                    const int64_t *hrow, const int32_t *seg, const int64_t *fpos, int64_t NT, const float *mask,     \
+                    float *out, float *work, int64_t B,                                                              \
+                    int64_t Hkv, int64_t G, int64_t V, int64_t N, int64_t D, int64_t R, int64_t Bc, int64_t Bs,      \
+                    int64_t Bm, int64_t kb, int64_t kh, int64_t vb, int64_t vh, float scale, int layout, int nthreads
+/* returns 0, or bit 1 when a segment index was outside [0, V), bit 2 when a factored position was outside its tables
+   (those keys were scored with variant 0 / position 0: the caller discards out) */
+int kvpos_decode_heads_f32(DECODE_HEADS_ARGS) {
+    typedef float T; const T *k = kp, *v = vp; int bad = 0;
+    DECODE_BODY_WITH(IDENT, ld8_f32, HEADS_VEC, HEADS_SCALAR) return bad; }
+int kvpos_decode_heads_bf16(DECODE_HEADS_ARGS) {
+    typedef uint16_t T; const T *k = kp, *v = vp; int bad = 0;
+    DECODE_BODY_WITH(bf16_load, ld8_bf16, HEADS_VEC, HEADS_SCALAR) return bad; }
 
 /* Decode attention over int8 keys and values (storage="int8"): like kvpos_decode_raw_*, with each key dequantized in
    registers before its rotation: sealed slots j < Q are codes kc[j] * their group's scale row ks[rows[j]], slots
