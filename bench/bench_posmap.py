@@ -12,7 +12,10 @@ SEG_CHUNK0 + d), then question slots. Two levels, each method timed in the same 
   factored tables) and with one query variant per document (PINE-lite's offsets; its importance pass excluded);
 - step: one whole greedy decode step of the model over the cache: plain
   (storage="raw", fused kernel), Ms-PoE through the fused kernel, PINE-lite through it (importance included), and
-  Ms-PoE over storage="rotated" (its torch path: every query head's keys rotated into a copy).
+  Ms-PoE over storage="rotated" (its torch path: every query head's keys rotated into a copy), and the length
+  policies of bench/length_eval.py (StreamingLLM, LM-Infinite, STRING: keys read at mapped positions in the fused
+  kernel; wrope: kvpos's windowed retrieval, a top-k selection in torch) with STRING over storage="rotated" (its
+  dense torch path) beside them.
   The step's slot is dropped after it (drop_tail_), so every step reads N slots.
 
 Medians over --reps rounds of --steps calls; ratios are method / plain of the same level. The acceptance target of
@@ -31,7 +34,9 @@ from kvpos.compose import SEG_CHUNK0, SEG_QUERY
 from kvpos.integrations.hf import PositionedCache, extend, load_model
 from kvpos.integrations.mspoe import MsPoEBackend
 from kvpos.integrations.pine import PineLiteBackend
+from kvpos.integrations.window import WindowBackend
 from kvpos.posmap import ms_poe_scales
+from length_eval import policies
 
 N_DOCS, ANCHOR, QUESTION = 8, 32, 32
 
@@ -90,10 +95,15 @@ def step_level(model, caches: dict[str, PositionedCache], n: int, scales) -> dic
             cache.drop_tail_(n)
         return go
 
-    return {"plain": run(caches["raw"], lambda: None),
-            "ms_poe": run(caches["raw"], lambda: MsPoEBackend(scales)),
-            "pine_lite": run(caches["raw"], PineLiteBackend),
-            "ms_poe_torch": run(caches["rotated"], lambda: MsPoEBackend(scales))}
+    fns = {"plain": run(caches["raw"], lambda: None),
+           "ms_poe": run(caches["raw"], lambda: MsPoEBackend(scales)),
+           "pine_lite": run(caches["raw"], PineLiteBackend),
+           "ms_poe_torch": run(caches["rotated"], lambda: MsPoEBackend(scales))}
+    for name, cfg in policies(model.config.max_position_embeddings).items():
+        if cfg is not None:                                  # the length policies of bench/length_eval.py
+            fns[name] = run(caches["raw"], lambda cfg=cfg: WindowBackend(cfg))
+    fns["string_torch"] = run(caches["rotated"], lambda: WindowBackend(policies(model.config.max_position_embeddings)["string"]))
+    return fns
 
 
 def timed_rounds(fns: dict[str, callable], steps: int, reps: int, desc: str) -> dict[str, float]:

@@ -90,7 +90,7 @@ class MsPoEBackend:
         cache = binding.cache_layer_keys(call)
         layer = cache.layers[call.layer]
         B, Hq, Lq, _ = call.query.shape
-        N = call.key.shape[2]
+        N = call.n_keys
         if self.scales is not None and self.scales.ratios.shape[1] != Hq:
             fail("MsPoEBackend scales", f"[L, Hq={Hq}] ratios (the model's query heads)",
                  list(self.scales.ratios.shape))

@@ -72,7 +72,7 @@ class PineLiteBackend:
         cache = binding.cache_layer_keys(call)
         layer = cache.layers[call.layer]
         B, Hq, Lq, _ = call.query.shape
-        N = call.key.shape[2]
+        N = call.n_keys
         seg = cache.table.segment[:, :N]
         if bool((seg[:, N - Lq:] >= SEG_CHUNK0).any()):
             fail("PineLiteBackend", "query rows that are not document slots (documents are encoded apart, then "

@@ -23,6 +23,7 @@ import torch
 
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
+from kvpos.posmap import window_decode_map
 from kvpos.window import FarStore, WindowConfig, far_query, sparse_decode_attention, windowed_attend
 from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, bind_attention, extend
 
@@ -32,7 +33,10 @@ __all__ = ["WindowBackend", "use_window", "windowed_prefill", "WindowConfig"]
 class WindowBackend:
     """Attention backend: windowed-RoPE retrieval over the bound cache (cfg: kvpos.window.WindowConfig).
 
-    stats: a dict the backend fills on every call ("far_slots", "selected", and "recall" of the index selectors)."""
+    stats: a dict the backend fills on every call ("far_slots", "selected", and "recall" of the index selectors).
+    Decode steps over storage="raw" under a policy that reads every key at a fixed mapped position (LM-Infinite
+    without top-k, StreamingLLM, STRING, selector "all": kvpos.posmap.window_decode_map) run the fused kernel with
+    one rotation table of the mapped positions per step; `read_counts` says which path served."""
 
     needs_cache = True
 
@@ -45,6 +49,7 @@ class WindowBackend:
         self.cfg = cfg
         self.stats: dict = {}
         self._stores: dict[int, FarStore] = {}          # selector="store": layer -> far store of this scope
+        self.read_counts = {"fused": 0, "torch": 0}
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
         cache = binding.cache_layer_keys(call)
@@ -52,9 +57,13 @@ class WindowBackend:
             return call.plain()                          # dense layers attend densely, by design
         layer = cache.layers[call.layer]
         B, Hq, Lq, D = call.query.shape
-        N = call.key.shape[2]
+        N = call.n_keys
         q_pos = cache.table.pos[:, N - Lq:].to(call.query.device)
         allowed = call.allowed()
+        out = self._decode_fused(cache, call, allowed) if Lq == 1 and self.cfg.selector != "store" else None
+        self.read_counts["torch" if out is None else "fused"] += 1
+        if out is not None:
+            return AttentionCall.finish(out.to(call.query.dtype))
         if bool(allowed.all()):
             allowed = None
         if self.cfg.selector == "store" and Lq == 1 and B == 1:
@@ -66,6 +75,23 @@ class WindowBackend:
         out = windowed_attend(call.query, call.key, layer.raw_keys, layer.values, layer.spec, q_pos, cfg,
                               call.scaling, allowed, stats=self.stats)
         return AttentionCall.finish(out)
+
+    def _decode_fused(self, cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor) -> torch.Tensor | None:
+        """One query row over storage="raw", keys read at the policy's mapped positions by the fused kernel:
+        [B, Hq, 1, D] float32, or None (a policy that selects keys by score, another storage, no kernel)."""
+        N = call.n_keys
+        m = window_decode_map(self.cfg, cache.table.pos[:, :N])
+        if m is None:
+            return None
+        positions, kept = m
+        keep = kept & allowed[:, 0, 0]
+        mask = torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf"))
+        out = cache.decode_mapped(call.layer, call.query[:, :, :1], mask, call.scaling, positions=positions)
+        if out is None:
+            return None
+        far = max(0, N - min(self.cfg.sinks, N) - min(self.cfg.window, max(0, N - self.cfg.sinks)))
+        self.stats["far_slots"], self.stats["selected"] = far, 0 if self.cfg.selector == "none" else far
+        return out[:, :, None]
 
     def _store_decode(self, call: AttentionCall, layer: Any, q_pos: torch.Tensor) -> torch.Tensor:
         cfg, N = self.cfg, call.key.shape[2]

@@ -26,10 +26,11 @@ import torch
 
 from ._checks import fail
 from .rope import RopeSpec, _pairs, cos_sin
+from .window import WindowConfig
 
 __all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "factored_tables", "rotate_heads", "scaled_attend", "position_awareness",
-           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "MS_POE_MIN", "MS_POE_MAX",
-           "MS_POE_FIRST_LAYER"]
+           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "window_decode_map", "MS_POE_MIN",
+           "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
 
 MS_POE_MIN, MS_POE_MAX, MS_POE_FIRST_LAYER = 1.2, 1.8, 2       # the released scripts' values
 
@@ -233,3 +234,44 @@ def offset_attend(q_h: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, doc: 
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, -1).nan_to_num(0.0) @ v.float().repeat_interleave(g, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# piecewise distance maps: a length policy's (position, kept) per key for one decode query
+# ---------------------------------------------------------------------------------------------------------------------
+def window_decode_map(cfg: WindowConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For the decode query in the last of N slots (positions pos [B, N] int64, the query's pos[:, -1] = p): the
+    position each key is read at and whether it is read, as `kvpos.window.windowed_attend` defines them, or None
+    where the policy selects keys by score (a top-k over part of the far slots: not a fixed map).
+
+    Window region (the first cfg.sinks slots and the last cfg.window): true positions, except sinks outside the
+    window, read at p - sink_distance (an int: LM-Infinite's ceiling) or p - (sinks + window - 1 - j) for sink j
+    ("renumbered": StreamingLLM). Far slots: unread (selector "none"); else at t + shift (far_scores "shifted":
+    STRING), p - distance ("windowed") or t ("exact", every far key selected). true_distance: every position true.
+    Returns (positions [B, N] int64, kept [B, N] bool); reading keys at these positions with plain attention is the
+    policy (one rotation table per step, shared by the layers)."""
+    B, N = pos.shape
+    j = torch.arange(N, device=pos.device)
+    exact = (j < cfg.sinks) | (j > N - 1 - cfg.window)
+    n_far = int((~exact).sum())
+    if cfg.selector != "none" and cfg.k_for(n_far) < n_far:
+        return None
+    p = pos[:, -1:]
+    out = pos.clone()
+    kept = torch.ones(B, N, dtype=torch.bool, device=pos.device)
+    if cfg.true_distance:
+        return out, kept
+    far = ~exact
+    if cfg.selector == "none":
+        kept[:, far] = False
+    elif cfg.far_scores == "shifted":
+        out[:, far] = pos[:, far] + cfg.shift
+    elif cfg.far_scores == "windowed":
+        out[:, far] = (p - cfg.distance).expand(B, n_far)
+    sink_far = (j < cfg.sinks) & (j <= N - 1 - cfg.window)
+    d = cfg.sink_distance
+    if d == "renumbered":
+        out[:, sink_far] = p - (cfg.sinks + cfg.window - 1 - j[sink_far])
+    elif d is not None:
+        out[:, sink_far] = (p - d).expand(B, int(sink_far.sum()))
+    return out, kept

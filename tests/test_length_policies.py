@@ -69,9 +69,9 @@ class ExplicitDistances:
         return AttentionCall.finish(out.to(call.query.dtype))
 
 
-def _run(model, backend, ids, steps):
+def _run(model, backend, ids, steps, storage="rotated"):
     """Prefill `ids` under `backend`, then greedy decode `steps` tokens under it: the logits of every step."""
-    cache = PositionedCache.from_model(model)
+    cache = PositionedCache.from_model(model, storage=storage)
     logits = [extend(model, cache, ids, attention=backend)[0]]
     for _ in range(steps):
         nxt = logits[-1][-1].argmax()[None, None]
@@ -79,13 +79,17 @@ def _run(model, backend, ids, steps):
     return logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "cohere", "gemma3"])
+@pytest.mark.parametrize("arch,storage", [("llama", "rotated"), ("phi3", "rotated"), ("cohere", "rotated"),
+                                          ("gemma3", "rotated"), ("llama", "raw"), ("phi3", "raw"), ("qwen2", "raw")])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_length_policy_equals_explicit_distance_reference_in_prefill_and_decode(arch, policy):
+def test_length_policy_equals_explicit_distance_reference_in_prefill_and_decode(arch, storage, policy):
+    """storage="raw": decode steps read the keys at the policy's mapped positions in the fused kernel."""
     cfg, rule = POLICIES[policy]
     model = tiny_model(arch, **({"sliding_window": 4096} if arch == "gemma3" else {}))[0]
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
-    got = _run(model, WindowBackend(cfg), ids, steps=3)
+    backend = WindowBackend(cfg)
+    got = _run(model, backend, ids, steps=3, storage=storage)
+    assert backend.read_counts["fused"] == (3 * model.config.num_hidden_layers if storage == "raw" else 0)
     want = _run(model, ExplicitDistances(rule), ids, steps=3)
     for g, w in zip(got, want):
         assert (g - w).abs().max() < 1e-4, (policy, arch, float((g - w).abs().max()))

@@ -41,15 +41,35 @@ class AttentionCall:
     """One attention call of one layer, as transformers makes it.
 
     query [B, Hq, q, D] rotated; key/value [B, H, N, D] (what cache.update returned: every slot of the layer);
-    mask: transformers' 4-D mask (bool or additive float) or None; scaling: the softmax scale."""
+    mask: transformers' 4-D mask (bool or additive float) or None; scaling: the softmax scale; n_keys: N.
+
+    A decode step of a storage="raw" cache hands raw keys to attention: a bound backend's call then gets its rotated
+    `key` / `value` only when it reads them (rotated into the read buffer on first access, `read` below), so a
+    backend that reads the cache's raw keys itself (Ms-PoE, PINE-lite: the fused position-map kernel) never pays
+    for rotating every key."""
 
     layer: int
     query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    _key: torch.Tensor | None
+    _value: torch.Tensor | None
     mask: torch.Tensor | None
     scaling: float
     _plain: Callable[[], torch.Tensor]
+    n_keys: int = 0
+    read: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None   # lazy (key, value) of a raw hand-off
+    handed_by: PositionedKV | None = None                                 # the cache that handed its raw keys
+
+    @property
+    def key(self) -> torch.Tensor:
+        if self._key is None:
+            self._key, self._value = self.read()
+        return self._key
+
+    @property
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            self._key, self._value = self.read()
+        return self._value
 
     def plain(self) -> torch.Tensor:
         """transformers' SDPA for this call, [B, q, Hq, D] (what a backend returns when plain attention is its exact
@@ -58,7 +78,7 @@ class AttentionCall:
 
     def allowed(self) -> torch.Tensor:
         """[B|1, 1, q, N] bool: which keys each query may attend to."""
-        return allowed_from_mask(self.mask, self.query.shape[2], self.key.shape[2], self.key.device)
+        return allowed_from_mask(self.mask, self.query.shape[2], self.n_keys, self.query.device)
 
     @staticmethod
     def finish(out: torch.Tensor) -> torch.Tensor:
@@ -90,6 +110,8 @@ class Binding:
             fail(f"{type(self.backend).__name__}", "a cache bound with the backend", None,
                  "bind_attention(model, backend, cache)")
         n = cache.layers[call.layer].n
+        if call.handed_by is not None and call.handed_by is cache and call.n_keys == n:
+            return cache                  # its raw keys, handed to this very call (RawHandoff.check_call)
         if not cache.holds_keys(call.layer, call.key):
             fail(f"{type(self.backend).__name__} layer {call.layer}",
                  f"the keys of the bound cache ({n} slots)", f"other keys ({call.key.shape[2]} slots)",
@@ -242,22 +264,39 @@ def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       **kwargs)
     b = _BINDING.get()
     read = pending_handoff()
+    bound = b is not None and id(module) in b.modules
     if read is not None and read.check_call(module, key, value):
-        bound = b is not None and id(module) in b.modules
-        out = None if bound else _raw_attention(read, module, query, value, attention_mask, dropout, scaling,
-                                                kwargs)
+        if bound:                                           # the backend rotates only if it reads call.key
+            return b.backend(_call(module, query, None, None, attention_mask, dropout, scaling, kwargs, read), b), None
+        out = _raw_attention(read, module, query, value, attention_mask, dropout, scaling, kwargs)
         if out is not None:
             return out, None
-        key, value = read.cache.read_layer(read.layer)      # the reference path: keys rotated into a buffer
-        read.cache.read_counts["torch"] += 1
-    if b is None or id(module) not in b.modules:
+        key, value = _rotated(read)                         # the reference path: keys rotated into a buffer
+    if not bound:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return b.backend(_call(module, query, key, value, attention_mask, dropout, scaling, kwargs), b), None
+
+
+def _rotated(read: RawHandoff) -> tuple[torch.Tensor, torch.Tensor]:
+    """The handed-off layer's keys rotated into the read buffer, and its values (counted as a torch read)."""
+    out = read.cache.read_layer(read.layer)
+    read.cache.read_counts["torch"] += 1
+    return out
+
+
+def _call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+          attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, kwargs: dict,
+          read: RawHandoff | None = None) -> AttentionCall:
+    """The AttentionCall of a bound module; key / value None: a raw hand-off `read`, rotated on first access."""
     sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    call = AttentionCall(module.layer_idx, query, key, value, attention_mask, sm,
-                         lambda: sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                                        scaling=scaling, **kwargs)[0])
-    return b.backend(call, b), None
+    call = AttentionCall(module.layer_idx, query, key, value, attention_mask, sm, lambda: None,
+                         key.shape[2] if key is not None else read.n,
+                         None if read is None else (lambda: _rotated(read)),
+                         None if read is None else read.cache)
+    call._plain = lambda: sdpa_attention_forward(module, query, call.key, call.value, attention_mask,
+                                                 dropout=dropout, scaling=scaling, **kwargs)[0]
+    return call
 
 
 def _kvpos_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

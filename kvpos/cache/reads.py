@@ -58,6 +58,17 @@ class _ReadState:
                                                                spec)
         return self.cs[key]
 
+    def mapped_cos_sin(self, spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, T, R/2] of explicit key positions [B, T], times the attention scaling: computed again only
+        when the positions differ from the last ones of this spec in the forward (its layers share one table)."""
+        key = ("mapped", spec.identity)
+        last = self.cs.get(key)
+        if last is None or last[0].shape != positions.shape or not torch.equal(last[0], positions):
+            cos, sin = cos_sin(positions, spec, device=positions.device)
+            s = spec.attention_scaling
+            last = self.cs[key] = (positions.clone(), cos * s, sin * s)
+        return last[1], last[2]
+
     def value_buffer(self, layer: "SlotLayer") -> torch.Tensor:
         """[B, H, n, Dv] in the keys' dtype: where storage="int8" dequantizes a layer's values (shared by layers)."""
         B, H, _, Dv = layer.value_store.shape
@@ -177,7 +188,8 @@ class _Reads:
 
     def decode_mapped(self, index: int, q: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       ratios: torch.Tensor | None = None, seg: torch.Tensor | None = None,
-                      state: "_ReadState | None" = None) -> torch.Tensor | None:
+                      state: "_ReadState | None" = None, positions: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
         """Decode attention over layer `index` (storage="raw") under read-time position maps, by the fused kernel:
         [B, Hq, D] float32, or None where it cannot serve (another storage, no kernel, unsupported shapes).
 
@@ -185,8 +197,11 @@ class _Reads:
         attention scaling); ratios [Hq] or None: query head h reads key positions t / ratios[h] (Ms-PoE; None: the
         slots' own positions); seg [B|1, T] ints in [0, V) or None: the variant each key is scored with (PINE's
         per-document offsets; None: variant 0); mask None or additive float32 [B|1, T]; state: a read state shared
-        by calls (default: the running forward's, whose tables its layers share). Float64 reference:
-        `kvpos.reference.decode_heads_ref`."""
+        by calls (default: the running forward's, whose tables its layers share); positions [B, T] int64 or None:
+        the keys read at these positions instead of their slots' (a piecewise distance map,
+        kvpos.posmap.window_decode_map; not with ratios). Float64 reference: `kvpos.reference.decode_heads_ref`."""
+        if positions is not None and ratios is not None:
+            fail("decode_mapped", "ratios or positions (one map at a time)", "both")
         l = self.layers[index]
         if l.mode is not RAW or not l.allocated:
             return None
@@ -196,7 +211,8 @@ class _Reads:
         spec, R, inter = l.spec, l.spec.rotary_dim, l.spec.layout is RopeLayout.INTERLEAVED
         k, v = l.raw_k[:, :, : l.n], l.v[:, :, : l.n]
         if ratios is None:
-            cos, sin = st.scaled_cos_sin(spec, self.table.pos, l.slot_device)
+            cos, sin = (st.scaled_cos_sin(spec, self.table.pos, l.slot_device) if positions is None
+                        else st.mapped_cos_sin(spec, positions))
             table = torch.zeros(q.shape[1], dtype=torch.long)
             return decode_heads_kernel(q, k, v, cos[None], sin[None], table, seg, mask, scale, R, inter)
         vals, table = torch.unique(ratios.double(), return_inverse=True)
