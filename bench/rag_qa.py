@@ -24,7 +24,8 @@ Method names: a base (full, prefix, sequential, parallel) and repairs joined by 
 sel<pct> (CacheBlend selective recompute), attn<pct> (query-aware re-encode), apeT<t> (APE temperature),
 tail<k> (the last k tokens of every chunk in context), last<m> (the m chunks nearest the question in context),
 probe<m> (the m chunks the question reads most, in context), and read-time position policies (docs/positions.md):
-mspoe (Ms-PoE; "full+mspoe" is its full form) and pine (PINE-lite, chunk reuse only). E.g. "sequential+probe1+tail8".
+mspoe (Ms-PoE; "full+mspoe" is its full form) and pine ("full+pine": PINE's full form, the passages prefilled
+together under its document phase; with chunk reuse PINE-lite). E.g. "sequential+probe1+tail8".
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def method_from_name(name: str) -> RagMethod:
     kw: dict[str, Any] = {}
     for k in knobs:
         if k in ("mspoe", "pine"):
-            kw["position"] = {"mspoe": "ms_poe", "pine": "pine_lite"}[k]
+            kw["position"] = "ms_poe" if k == "mspoe" else "pine" if base == "full" else "pine_lite"
             continue
         m = _KNOB.match(k)
         if m is None:

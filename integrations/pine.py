@@ -12,30 +12,40 @@ size), sorts the documents; the most important is read as ending right where the
 document position + all document tokens, where the question starts in the sequential layout), the next right
 before it, and so on (kvpos.posmap.pine_shifts / offset_attend). Anchor and question slots keep their positions.
 The documents' KV never depends on their order (each encoded alone after the anchor), so neither does the answer,
-up to exact ties in the importance sort and float summation order. PINE's full form (documents attending to each
-other bidirectionally in prefill) is not this: here documents never see each other.
+up to exact ties in the importance sort and float summation order.
+
+PINE's full form (`pine_prefill`): the documents are prefilled together, each right-aligned to end at E (the
+prefix length + all document tokens), under `PineDocPhase`: the rows of document i read the prefix plainly, their
+own document causally, and every other document bidirectionally at importance-ranked positions per head (PINE's
+document phase: kvpos.posmap.pair_importance / pair_shifts: i itself nearest, then the others by how much i's rows
+read them, without RoPE). The question and answer then run under PineLiteBackend, which is PINE's suffix phase.
+
+    cache = pine_prefill(model, prefix_ids, doc_ids_list)
+    with use_pine_lite(model, cache):
+        out = generate(model, cache, question_ids, max_new_tokens=16)
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_CHUNK0
-from kvpos.posmap import offset_attend, pine_shifts, rotate_heads, segment_importance
+from kvpos.posmap import offset_attend, pair_importance, pair_shifts, pine_shifts, rotate_heads, segment_importance
 from kvpos.rope import cos_sin, unrotate
-from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
+from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, bind_attention, extend
 
-__all__ = ["PineLiteBackend", "use_pine_lite", "document_layout"]
+__all__ = ["PineLiteBackend", "use_pine_lite", "document_layout", "PineDocPhase", "pine_prefill"]
 
 
 def document_layout(segment: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor,
                                                                          torch.Tensor, torch.Tensor]:
     """The documents of slots labelled SEG_CHUNK0 + d: (doc [B, N] int64, -1 for other slots; n documents; start,
-    size [B, n] int64: first position and token count of each; end [B]: first start + all document tokens)."""
+    size [B, n] int64: first position and token count of each; end [B]: where the documents end, the largest
+    start + size (sequential layout: the first start + all document tokens; PINE's right-aligned layout: E))."""
     doc = torch.where(segment >= SEG_CHUNK0, segment.long() - SEG_CHUNK0, torch.full_like(segment, -1).long())
     n = int(doc.max()) + 1 if doc.numel() else 0
     if n <= 0:
@@ -47,7 +57,7 @@ def document_layout(segment: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
     if bool((size == 0).any()):
         fail("PINE-lite documents", "segments SEG_CHUNK0 + 0 .. n-1 each holding slots",
              f"empty document(s) {torch.nonzero(size[0] == 0).flatten().tolist()}")
-    return doc, n, start, size, start.amin(1) + size.sum(1)
+    return doc, n, start, size, (start + size).amax(1)
 
 
 class PineLiteBackend:
@@ -111,3 +121,78 @@ def use_pine_lite(model: torch.nn.Module, cache: PositionedKV) -> Iterator[PineL
     backend = PineLiteBackend()
     with bind_attention(model, backend, cache):
         yield backend
+
+
+class PineDocPhase:
+    """Attention backend for PINE's document phase: one forward over all document tokens (`sizes` tokens each, in
+    order; the forward's rows are exactly these), after the prefix slots (module docstring). The keys of document
+    j, for the rows of document i and head h, are read pair_shifts[.., h, i, j] positions earlier; visibility is the
+    call's mask (pine_prefill passes prefix + other documents + own document causal)."""
+
+    needs_cache = True
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            fail("PineDocPhase sizes", "one int >= 1 per document", list(sizes))
+        self.sizes = list(sizes)
+
+    def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
+        cache = binding.cache_layer_keys(call)
+        layer, spec = cache.layers[call.layer], cache.layers[call.layer].spec
+        B, Hq, Lq, _ = call.query.shape
+        N, n = call.n_keys, len(self.sizes)
+        if Lq != sum(self.sizes):
+            fail("PineDocPhase", f"a forward over the {sum(self.sizes)} document tokens", f"{Lq} rows")
+        sizes = torch.tensor(self.sizes)
+        row_doc = torch.repeat_interleave(torch.arange(n), sizes)[None].expand(B, Lq)
+        key_doc = torch.cat([torch.full((B, N - Lq), -1, dtype=torch.long), row_doc], 1)
+        pos = cache.table.pos[:, :N]
+        k_raw = layer.raw_keys
+        imp = pair_importance(unrotate(call.query, pos[:, N - Lq:], spec), k_raw, row_doc, key_doc, n, call.scaling)
+        shift = pair_shifts(imp, sizes[None].expand(B, n))                                  # [B, Hq, n, n]
+        g = Hq // k_raw.shape[1]
+        keys, vals = k_raw.float().repeat_interleave(g, 1), layer.values.float().repeat_interleave(g, 1)
+        allowed = call.allowed().expand(B, 1, Lq, N)
+        out = torch.empty(B, Hq, Lq, vals.shape[-1])
+        at = 0
+        for i, size in enumerate(self.sizes):
+            rows = slice(at, at + size)
+            sh = shift[:, :, i].gather(-1, key_doc.clamp_min(0)[:, None].expand(B, Hq, N)) * (key_doc >= 0)[:, None]
+            c, s = cos_sin(pos[:, None, :] - sh, spec)                                      # [B, Hq, N, R/2]
+            k = rotate_heads(keys, c, s, spec, spec.attention_scaling)
+            sc = (call.query[:, :, rows].float() @ k.transpose(-1, -2)) * call.scaling
+            sc = sc.masked_fill(~allowed[:, :, rows], float("-inf"))
+            out[:, :, rows] = torch.softmax(sc, -1).nan_to_num(0.0) @ vals
+            at += size
+        return AttentionCall.finish(out.to(call.query.dtype))
+
+
+@torch.no_grad()
+def pine_prefill(model: torch.nn.Module, prefix_ids: torch.Tensor, docs: Sequence[torch.Tensor],
+                 storage: str | None = None) -> PositionedCache:
+    """PINE's prefill (module docstring): a new cache holding the prefix [1, P] at 0..P-1 (plain causal) and the
+    documents (1-D token tensors) each right-aligned to end at E = P + all document tokens, prefilled together under
+    PineDocPhase and labelled SEG_CHUNK0 + j. Run the question and answer under PineLiteBackend (use_pine_lite)."""
+    if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1:
+        fail("pine_prefill prefix_ids", "a [1, P] token tensor", getattr(prefix_ids, "shape", type(prefix_ids)))
+    if not docs or any(not isinstance(d, torch.Tensor) or d.dim() != 1 or d.numel() == 0 for d in docs):
+        fail("pine_prefill docs", "a non-empty list of non-empty 1-D token tensors",
+             [tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__ for d in docs])
+    cache = PositionedCache.from_model(model, **({} if storage is None else {"storage": storage}))
+    P = prefix_ids.shape[1]
+    if P:
+        extend(model, cache, prefix_ids, last_logits=True)
+    sizes = [int(d.numel()) for d in docs]
+    E, S = P + sum(sizes), sum(sizes)
+    pos = torch.cat([torch.arange(E - n, E) for n in sizes])[None]
+    row_doc = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    own_causal = torch.arange(S)[:, None] >= torch.arange(S)[None, :]
+    seen = (row_doc[:, None] != row_doc[None, :]) | own_causal
+    mask = torch.cat([torch.ones(S, P, dtype=torch.bool), seen], 1)[None, None]
+    extend(model, cache, torch.cat(docs)[None], positions=pos, attention_mask=mask, attention=PineDocPhase(sizes),
+           last_logits=True)
+    at = P
+    for j, n in enumerate(sizes):
+        cache.set_segment_(at, at + n, SEG_CHUNK0 + j)
+        at += n
+    return cache

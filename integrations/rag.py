@@ -28,7 +28,7 @@ from kvpos.compose import LAYOUTS
 from kvpos.integrations.ape import ApeBackend
 from kvpos.integrations.hf.attention import layers_heads
 from kvpos.integrations.mspoe import MsPoEBackend
-from kvpos.integrations.pine import PineLiteBackend
+from kvpos.integrations.pine import PineLiteBackend, pine_prefill
 from kvpos.integrations.compose import ChunkComposer
 from kvpos.integrations.repairs import chunks_read_most, query_aware_refresh, recompute_slots
 from kvpos.cache import storage_mode
@@ -37,7 +37,7 @@ from kvpos.integrations.hf import PositionedCache, extend, generate
 __all__ = ["PromptParts", "ChatPromptBuilder", "RagMethod", "RagPipeline", "RagAnswer", "ScoredAnswer", "FULL",
            "PREFIX"]
 
-POSITIONS = ("ms_poe", "pine_lite")
+POSITIONS = ("ms_poe", "pine_lite", "pine")
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,9 @@ class RagMethod:
     Order: link_k, recompute_ratio, tail_k, last_chunks / probe_chunks (one forward), attn_ratio.
     position: a read-time position policy (docs/positions.md): "ms_poe" (Ms-PoE, head order scored per request; with
     layout "full" the whole prompt runs under it, Ms-PoE's full form; with chunk reuse only the question and answer:
-    read-time Ms-PoE) or "pine_lite" (chunk reuse only: the question and answer read the chunks at importance-sorted
-    positions, order-invariant).
+    read-time Ms-PoE), "pine_lite" (chunk reuse only: the question and answer read the chunks at importance-sorted
+    positions, order-invariant) or "pine" (layout "full" only: PINE's full form, the passages prefilled together
+    under its document phase, then the question and answer as in PINE-lite; integrations.pine.pine_prefill).
     storage: the request cache's PositionedCache storage ("rotated", "raw" or "int8": keys and values int8 in the
     cache; with "full" it holds the prompt and the question runs on top of it); "int8" refuses repairs and APE (they
     rewrite or re-read slots the quantized storage writes once)."""
@@ -91,10 +92,12 @@ class RagMethod:
         if self.position not in (None, *POSITIONS):
             fail(f"RagMethod {self.name} position", f"None or one of {POSITIONS}", repr(self.position))
         if self.position is not None and (self.ape is not None or self.layout == "prefix"
-                                          or (self.position == "pine_lite" and not self.reuses)):
+                                          or (self.position == "pine_lite" and not self.reuses)
+                                          or (self.position == "pine" and self.layout != "full")):
             fail(f"RagMethod {self.name} position", f"{self.position!r} without APE, with "
-                 + ("chunk reuse (documents composed apart)" if self.position == "pine_lite" else
-                    "a layout other than 'prefix' (the exact baseline)"), self)
+                 + {"pine_lite": "chunk reuse (documents composed apart)",
+                    "pine": "layout 'full' (the passages prefilled together under PINE's document phase)"}.get(
+                     self.position, "a layout other than 'prefix' (the exact baseline)"), self)
         storage_mode(self.storage, f"RagMethod {self.name} storage")
         if not self.mode.keeps_rotated and self.layout == "prefix":
             fail(f"RagMethod {self.name} storage", "'rotated' with layout='prefix' (the exact baseline)",
@@ -230,7 +233,11 @@ class RagPipeline:
             return ApeBackend(method.ape)
         if method.position == "ms_poe":
             return MsPoEBackend.scored(*layers_heads(self.model))
-        return PineLiteBackend() if method.position == "pine_lite" else None
+        return PineLiteBackend() if method.position in ("pine_lite", "pine") else None
+
+    def _pine_prompt(self, parts: PromptParts, method: RagMethod) -> PositionedCache:
+        """PINE's full form: anchor as the prefix, the passages prefilled together under its document phase."""
+        return pine_prefill(self.model, parts.anchor[None], list(parts.chunks), storage=method.storage)
 
     @torch.no_grad()
     def score(self, parts: PromptParts, method: RagMethod, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,6 +245,12 @@ class RagPipeline:
         built by `method` from a fresh cache: the first-token distribution is row Q - 1."""
         extra = torch.zeros(0, dtype=torch.long) if extra is None else torch.as_tensor(extra, dtype=torch.long)
         q = torch.cat([parts.question, extra])
+        if method.position == "pine":
+            cache, attention = self._pine_prompt(parts, method), self._attention(method)
+            rows = [extend(self.model, cache, parts.question[None], attention=attention)]
+            if extra.numel():
+                rows.append(extend(self.model, cache, extra[None], attention=attention))
+            return torch.cat(rows, 1)
         if not method.reuses and method.position:      # the prompt in one forward (Ms-PoE scores its last row)
             cache = PositionedCache.from_model(self.model, storage=method.storage)
             attention = self._attention(method)
@@ -267,6 +280,11 @@ class RagPipeline:
             ids = parts.full_ids()[0]
             if method.layout == "prefix":
                 cache, logits, reused = self._prefix_request(ids)
+            elif method.position == "pine":
+                cache, attention = self._pine_prompt(parts, method), self._attention(method)
+                logits = extend(self.model, cache, parts.question[None], attention=attention, last_logits=True)
+                return cache, logits[0, -1], attention, {"method": method.name, "tokens_computed": ids.numel(),
+                                                         "tokens_reused": 0}
             else:
                 cache, reused = PositionedCache.from_model(self.model, storage=method.storage), 0
                 attention = self._attention(method)

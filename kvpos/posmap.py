@@ -29,7 +29,8 @@ from .rope import RopeSpec, _pairs, cos_sin
 from .window import WindowConfig
 
 __all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "factored_tables", "rotate_heads", "scaled_attend", "position_awareness",
-           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "window_decode_map", "MS_POE_MIN",
+           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "pair_importance", "pair_shifts",
+           "window_decode_map", "MS_POE_MIN",
            "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
 
 MS_POE_MIN, MS_POE_MAX, MS_POE_FIRST_LAYER = 1.2, 1.8, 2       # the released scripts' values
@@ -212,6 +213,38 @@ def pine_shifts(importance: torch.Tensor, start: torch.Tensor, size: torch.Tenso
     new_end = end[:, None, None, None] - (torch.cumsum(sz, -1) - sz)                     # ends in rank order
     shift_by_rank = new_end - sz - start[:, None, None, :].expand_as(importance).gather(-1, order)
     return torch.empty_like(shift_by_rank).scatter_(-1, order, shift_by_rank)
+
+
+def pair_importance(q_raw: torch.Tensor, k_raw: torch.Tensor, row_doc: torch.Tensor, key_doc: torch.Tensor, n_docs: int,
+                    sm_scale: float) -> torch.Tensor:
+    """PINE's document-phase importance, WITHOUT RoPE: each document row's softmax of raw q.k over the keys of the
+    OTHER documents, averaged per key document (summed over its keys, divided by its size) and summed over the rows
+    of each query document. q_raw [B, Hq, q, D] (row r of document row_doc[b, r], -1 for rows of no document),
+    k_raw [B, H, N, D] with key_doc [B, N] (-1: not a document key). Returns float32 [B, Hq, n, n]: entry [i, j]
+    how much the rows of document i read document j (0 on the diagonal)."""
+    B, Hq, Lq, D = q_raw.shape
+    H, N = k_raw.shape[1], k_raw.shape[2]
+    g = Hq // H
+    s = (q_raw.float().reshape(B, H, g * Lq, D) @ k_raw.float().transpose(-1, -2)).reshape(B, Hq, Lq, N) * sm_scale
+    other = (key_doc[:, None, :] >= 0) & (key_doc[:, None, :] != row_doc[:, :, None])          # [B, q, N]
+    a = torch.softmax(s.masked_fill(~other[:, None], float("-inf")), -1).nan_to_num(0.0)
+    kd = torch.nn.functional.one_hot(key_doc.clamp_min(0), n_docs).float() * (key_doc >= 0)[..., None]   # [B, N, n]
+    per_doc = (a @ kd[:, None]) / kd.sum(1)[:, None, None].clamp_min(1)                      # [B, Hq, q, n]
+    rd = torch.nn.functional.one_hot(row_doc.clamp_min(0), n_docs).float() * (row_doc >= 0)[..., None]   # [B, q, n]
+    return rd.transpose(1, 2)[:, None] @ per_doc                                              # [B, Hq, n, n]
+
+
+def pair_shifts(importance: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """PINE's document phase: the rows of document i rank the documents, i itself first, the others by importance
+    (descending; ties by document index), and document j's keys are read `shift[.., i, j]` positions earlier: the
+    sizes of the documents ranked before j (0 for i). importance [B, Hq, n, n] (pair_importance), size [B, n]
+    int64. Returns int64 [B, Hq, n, n]."""
+    n = importance.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool, device=importance.device)
+    order = torch.argsort(-importance.masked_fill(eye, float("inf")), dim=-1, stable=True)      # rank -> document
+    sz = size[:, None, None, :].expand_as(importance).gather(-1, order)
+    before = torch.cumsum(sz, -1) - sz
+    return torch.empty_like(before).scatter_(-1, order, before)
 
 
 def offset_attend(q_h: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, shift: torch.Tensor,

@@ -277,9 +277,10 @@ def test_rag_qa_method_names_map_to_the_repairs_they_name():
     assert rag_qa.method_from_name("parallel") == RagMethod("parallel", layout="parallel")
     assert rag_qa.method_from_name("full+mspoe").position == "ms_poe"
     assert rag_qa.method_from_name("sequential+pine").position == "pine_lite"
+    assert rag_qa.method_from_name("full+pine").position == "pine"          # PINE's full form
     for bad, match in (("seq", "expected a base"), ("sequential+link", "expected repairs"),
                        ("sequential+zz3", "expected repairs"), ("parallel+probe1", "expected layout='sequential'"),
-                       ("full+pine", "expected 'pine_lite' without APE, with chunk reuse")):
+                       ("prefix+pine", "expected 'pine_lite' without APE, with chunk reuse")):
         with pytest.raises(ValueError, match=match):
             rag_qa.method_from_name(bad)
 

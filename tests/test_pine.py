@@ -63,7 +63,7 @@ class ExplicitPine:
         n = max(doc) + 1
         slots = {d: [j for j in range(N) if doc[j] == d] for d in range(n)}
         start = {d: int(pos[0, slots[d][0]]) for d in range(n)}
-        end = min(start.values()) + sum(len(s) for s in slots.values())
+        end = max(start[d] + len(slots[d]) for d in range(n))             # where the documents end
         q_raw = unrotate_ref(call.query, pos[:, N - Lq:], layer.spec)
         k_raw, v = layer.raw_keys.double(), layer.values.double()
         allowed = call.allowed()
@@ -115,6 +115,9 @@ def test_document_layout_and_refusals():
     pos = torch.tensor([[0, 1, 2, 3, 2, 4]])
     doc, n, start, size, end = document_layout(seg, pos)
     assert doc.tolist() == [[-1, -1, 0, 0, 1, -1]] and n == 2
-    assert start.tolist() == [[2, 2]] and size.tolist() == [[2, 1]] and end.tolist() == [5]
+    assert start.tolist() == [[2, 2]] and size.tolist() == [[2, 1]]
+    assert end.tolist() == [4]                    # documents at overlapping positions end where the last one ends
+    _, _, _, _, end = document_layout(torch.tensor([[1, 16, 16, 17, 17, 17]]), torch.tensor([[0, 1, 2, 3, 4, 5]]))
+    assert end.tolist() == [6]                    # sequential: the first start + all document tokens
     with pytest.raises(ValueError, match="PINE-lite documents: expected segments SEG_CHUNK0"):
         document_layout(torch.tensor([[1, 17]]), torch.tensor([[0, 1]]))

@@ -106,7 +106,8 @@ def test_probe_chunks_pick_the_same_passages_in_any_order():
 
 @pytest.mark.parametrize("method", [FULL, RagMethod("s"), RagMethod("a", attn_ratio=0.5),
                                     RagMethod("p", layout="parallel"), RagMethod("fm", layout="full", position="ms_poe"),
-                                    RagMethod("sm", position="ms_poe"), RagMethod("pl", position="pine_lite")])
+                                    RagMethod("sm", position="ms_poe"), RagMethod("pl", position="pine_lite"),
+                                    RagMethod("pf", layout="full", position="pine")])
 def test_answer_scored_gives_answer_parts_tokens_and_the_teacher_forced_scores(method):
     """answer_scored = answer_parts' greedy tokens + score()'s first-token distribution and gold NLL, in one request."""
     model, parts, rag = _setup(4)
@@ -145,14 +146,17 @@ def test_gemma3_turn_format_splits_into_pieces_that_rebuild_the_rendered_convers
     assert parts.full_ids()[0].tolist() == tok(text, add_special_tokens=False).input_ids
 
 
-def test_pine_lite_requests_answer_alike_in_any_passage_order_and_bad_position_policies_are_named():
+@pytest.mark.parametrize("method", [RagMethod("pl", position="pine_lite"), RagMethod("pf", layout="full",
+                                                                                    position="pine")])
+def test_pine_requests_answer_alike_in_any_passage_order_and_bad_position_policies_are_named(method):
     model, parts, rag = _setup(6)
-    method = RagMethod("pl", position="pine_lite")
     first = [rag.answer_scored(PromptParts(parts.anchor, [parts.chunks[i] for i in order], parts.question), method,
                                torch.tensor([7, 9]), 4) for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1])]
     assert (first[0].first_logprobs - first[1].first_logprobs).abs().max() < 1e-5
     assert first[0].token_ids == first[1].token_ids and abs(first[0].gold_nll - first[1].gold_nll) < 1e-5
     with pytest.raises(ValueError, match="RagMethod x position: expected None or one of"):
+        RagMethod("x", position="pine_full")
+    with pytest.raises(ValueError, match="RagMethod x position: expected 'pine' without APE, with layout 'full'"):
         RagMethod("x", position="pine")
     with pytest.raises(ValueError, match="RagMethod x position: expected 'pine_lite' without APE, with chunk reuse"):
         RagMethod("x", layout="full", position="pine_lite")
