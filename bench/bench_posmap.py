@@ -10,7 +10,8 @@ SEG_CHUNK0 + d), then question slots. Two levels, each method timed in the same 
 - attention: one decode query per layer over the cache, summed over the layers: `decode_fused` (the plain fused
   raw-key kernel) vs `decode_mapped` with Ms-PoE's ratios (every query head rotating keys at its own scale,
   factored tables) and with one query variant per document (PINE-lite's offsets; its importance pass excluded);
-- step: one whole greedy decode step of the model over the cache: plain
+- step: one whole greedy decode step of the model over the cache (a backend bound once per round of steps, as
+  generate binds once): plain
   (storage="raw", fused kernel), Ms-PoE through the fused kernel, PINE-lite through it (importance included), and
   Ms-PoE over storage="rotated" (its torch path: every query head's keys rotated into a copy), and the length
   policies of bench/length_eval.py (StreamingLLM, LM-Infinite, STRING: keys read at mapped positions in the fused
@@ -23,6 +24,7 @@ the position-bias issue is <= 1.15x plain at 2k and 8k (per-head / per-query dec
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -31,7 +33,7 @@ from tqdm import tqdm
 
 from _common import bench_parser, machine, markdown_table, parse_bench_args, write_outputs
 from kvpos.compose import SEG_CHUNK0, SEG_QUERY
-from kvpos.integrations.hf import PositionedCache, extend, load_model
+from kvpos.integrations.hf import PositionedCache, bind_attention, extend, load_model
 from kvpos.integrations.mspoe import MsPoEBackend
 from kvpos.integrations.pine import PineLiteBackend
 from kvpos.integrations.window import WindowBackend
@@ -70,12 +72,12 @@ def attention_level(model, cache: PositionedCache, n: int, scales, seed: int) ->
     sm = D ** -0.5
 
     def run(fn):
-        def go():
-            st = cache.read_state()
-            for i in range(L):
-                out = fn(i, st)
-                if out is None:
-                    raise RuntimeError(f"the fused kernel did not serve layer {i} (kvpos.kernel_status())")
+        def go(steps):
+            for _ in range(steps):
+                st = cache.read_state()
+                for i in range(L):
+                    if fn(i, st) is None:
+                        raise RuntimeError(f"the fused kernel did not serve layer {i} (kvpos.kernel_status())")
         return go
 
     return {"plain": run(lambda i, st: cache.decode_fused(i, st, q, None, sm)),
@@ -89,10 +91,13 @@ def step_level(model, caches: dict[str, PositionedCache], n: int, scales) -> dic
     tok = torch.tensor([[42]])
 
     def run(cache, make_backend):
-        def go():
-            with torch.no_grad():
-                extend(model, cache, tok, attention=make_backend())
-            cache.drop_tail_(n)
+        def go(steps):
+            backend = make_backend()
+            scope = bind_attention(model, backend, cache) if backend is not None else contextlib.nullcontext()
+            with torch.no_grad(), scope:                     # bound once per round, as generate binds once
+                for _ in range(steps):
+                    extend(model, cache, tok)
+                    cache.drop_tail_(n)
         return go
 
     fns = {"plain": run(caches["raw"], lambda: None),
@@ -110,13 +115,12 @@ def timed_rounds(fns: dict[str, callable], steps: int, reps: int, desc: str) -> 
     """Median seconds per call of each function, rounds rotating the order."""
     names = list(fns)
     for f in fns.values():
-        f()                                                  # warm-up (kernel build, allocations)
+        f(1)                                                 # warm-up (kernel build, allocations)
     times = {k: [] for k in names}
     for r in tqdm(range(reps), desc=desc, leave=False):
         for k in names[r % len(names):] + names[:r % len(names)]:
             t = time.perf_counter()
-            for _ in range(steps):
-                fns[k]()
+            fns[k](steps)
             times[k].append((time.perf_counter() - t) / steps)
     return {k: statistics.median(v) for k, v in times.items()}
 

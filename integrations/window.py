@@ -50,6 +50,7 @@ class WindowBackend:
         self.stats: dict = {}
         self._stores: dict[int, FarStore] = {}          # selector="store": layer -> far store of this scope
         self.read_counts = {"fused": 0, "torch": 0}
+        self._map: tuple | None = None                  # (positions, allowed, decode map) of the last step
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
         cache = binding.cache_layer_keys(call)
@@ -80,18 +81,29 @@ class WindowBackend:
         """One query row over storage="raw", keys read at the policy's mapped positions by the fused kernel:
         [B, Hq, 1, D] float32, or None (a policy that selects keys by score, another storage, no kernel)."""
         N = call.n_keys
-        m = window_decode_map(self.cfg, cache.table.pos[:, :N])
+        m = self._decode_map(cache.table.pos[:, :N], allowed[:, 0, 0])
         if m is None:
             return None
-        positions, kept = m
-        keep = kept & allowed[:, 0, 0]
-        mask = torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf"))
-        out = cache.decode_mapped(call.layer, call.query[:, :, :1], mask, call.scaling, positions=positions)
+        out = cache.decode_mapped(call.layer, call.query[:, :, :1], m[1], call.scaling, positions=m[0])
         if out is None:
             return None
         far = max(0, N - min(self.cfg.sinks, N) - min(self.cfg.window, max(0, N - self.cfg.sinks)))
         self.stats["far_slots"], self.stats["selected"] = far, 0 if self.cfg.selector == "none" else far
         return out[:, :, None]
+
+    def _decode_map(self, pos: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mapped positions [B, N], additive mask [B, N]) of the policy for the last slot's query, or None;
+        computed again only when the slots' positions or the allowed keys change (once per step: its layers share
+        them; the check is against copies, so an in-place change is seen)."""
+        last = self._map
+        if (last is None or last[0].shape != pos.shape or last[1].shape != allowed.shape
+                or not torch.equal(last[0], pos) or not torch.equal(last[1], allowed)):
+            m = window_decode_map(self.cfg, pos)
+            if m is not None:
+                keep = m[1] & allowed
+                m = (m[0], torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf")))
+            last = self._map = (pos.clone(), allowed.clone(), m)
+        return last[2]
 
     def _store_decode(self, call: AttentionCall, layer: Any, q_pos: torch.Tensor) -> torch.Tensor:
         cfg, N = self.cfg, call.key.shape[2]
