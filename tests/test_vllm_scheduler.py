@@ -220,3 +220,27 @@ def test_a_string_boolean_and_a_wrong_segments_type_are_named():
     with pytest.raises(ValueError, match=r"unknown keys \['segment'\]"):
         parse_request({"segments": segs, "segment": 1}, 20, None, False, True)
     assert parse_request({"segments": segs}, 20, kvpos_salt(segs) + "tenant", True, True).segments[1] == (4, 9, "chunk")
+
+
+def test_a_parallel_request_carries_its_layout_and_saves_every_passage_at_the_anchors_end():
+    """With the kvpos attention backend (raw=True): the step metadata carries the request's layout and blocks for
+    the worker's attention, and every passage vLLM computes is saved (each saw only the anchor) with its logical
+    start A; without the backend the layout is refused with the reason."""
+    backend = MemoryBackend()
+    side, store_of = _side(backend)
+    side.raw = True
+    req = _request(backend, store_of, stored=[])            # only the anchor is stored: 0 whole blocks to claim
+    segs = req.kv_transfer_params["kvpos"]["segments"]
+    req = replace(req, kv_transfer_params={"kvpos": {"segments": segs, "layout": "parallel"}},
+                  cache_salt=kvpos_salt(segs, "parallel"))
+    assert side.matched_tokens(req, 0) == 0
+    side.after_alloc(req, [0, 1, 2, 3, 4], 0)
+    meta = side.build(_output(new=[_new(req, [0, 1, 2, 3, 4], 0)], scheduled={"r1": 73}))
+    assert [(r.req_id, r.block_ids, r.anchor_len, r.lengths, r.layout) for r in meta.rows] == \
+        [("r1", [0, 1, 2, 3, 4], 10, [20, 20, 20], "parallel")]
+    assert [(io.index, io.position) for io in meta.saves] == [(0, 0), (1, 10), (2, 10), (3, 10)]
+
+    plain, _ = _side(backend)                               # vLLM's own attention
+    refused = replace(req, request_id="r2")
+    assert plain.matched_tokens(refused, 0) == 0 and "KVPOS_VLLM_ATTENTION" in plain.plans["r2"].refused
+    assert kvpos_salt(segs) != kvpos_salt(segs, "parallel")  # a layout never shares prefix-cache blocks with another

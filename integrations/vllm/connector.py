@@ -94,7 +94,9 @@ def _extra(cfg: Any, key: str, default: Any, ok: Any, expected: str) -> Any:
 class KvposConnector(KVConnectorBase_V1):
     """See the module docstring. extra config: store (required), namespace ("default"), save (true), memory_mb
     (1024: a worker-memory tier in front of the store, 0 for none), scheme ("float"; "int8" / "int4" write quantized
-    entries). Per request: segments, save, memory (true: use the memory tier; false: read from the store itself)."""
+    entries), attention (false; true: the engine runs the kvpos attention backend, attention.py, so keys are loaded
+    and saved raw and the parallel layout is served). Per request: segments, save, memory (true: use the memory
+    tier; false: read from the store itself), layout ("sequential"; "parallel" with attention)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -107,6 +109,7 @@ class KvposConnector(KVConnectorBase_V1):
         block = int(vllm_config.cache_config.block_size)
         self._namespace = _extra(cfg, "namespace", "default", lambda v: isinstance(v, str) and v, "a non-empty string")
         save = _extra(cfg, "save", True, lambda v: isinstance(v, bool), "true or false")
+        self._raw = _extra(cfg, "attention", False, lambda v: isinstance(v, bool), "true or false")
         self._far = open_store_backend(cfg.get_from_extra_config("store", None),
                                        cfg.get_from_extra_config("scheme", "float"))
         memory_mb = _extra(cfg, "memory_mb", 1024, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
@@ -124,14 +127,14 @@ class KvposConnector(KVConnectorBase_V1):
         self._stores: dict[tuple[bool, tuple[int, ...]], ChunkStore] = {}
         limits = [s.max_exact_position for s in specs if s.max_exact_position is not None]
         salted = bool(vllm_config.cache_config.enable_prefix_caching)
-        self._sched = SchedulerSide(block, self._store, salted, save, min(limits) if limits else None, logger) \
-            if role == KVConnectorRole.SCHEDULER else None
+        self._sched = SchedulerSide(block, self._store, salted, save, min(limits) if limits else None, logger,
+                                    self._raw) if role == KVConnectorRole.SCHEDULER else None
         self._worker = None
         if role == KVConnectorRole.WORKER:
             from .worker import WorkerSide
 
             self._worker = WorkerSide(block, specs, mc.dtype, self._store,
-                                      lambda: None if self._memory is None else self._memory.keys(), logger)
+                                      lambda: None if self._memory is None else self._memory.keys(), logger, self._raw)
 
     def _store(self, anchor_ids: tuple[int, ...], memory: bool = True) -> ChunkStore:
         """The store of chunks encoded after `anchor_ids` (the anchor itself: after the empty anchor); with
@@ -153,7 +156,7 @@ class KvposConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         f = self._sched.build(scheduler_output)
-        return KvposMetadata(f.loads, f.saves)
+        return KvposMetadata(f.loads, f.saves, f.rows)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -165,7 +168,20 @@ class KvposConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from .plugin import ENV, enabled
+
+        if enabled() != self._raw:
+            fail("KvposConnector attention", f"the kvpos attention backend ({ENV}=1) exactly when "
+                 "kv_connector_extra_config attention is true", f"{ENV}={enabled()}, attention={self._raw}",
+                 "raw keys in the paged cache need both: engine_kwargs(..., attention=True) with "
+                 f"{ENV}=1, or neither")
         self._worker.register(kv_caches)
+
+    def step_rows(self) -> list:
+        """The layouts (scheduler.RowLayout) of this step's requests whose positions are not vLLM's; the kvpos
+        attention backend reads them."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return list(meta.rows) if isinstance(meta, KvposMetadata) else []
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -20,19 +20,31 @@ CONNECTOR = "KvposConnector"
 CONNECTOR_MODULE = "kvpos.integrations.vllm.connector"
 
 
-def engine_kwargs(model_dir: str, store: str, namespace: str = "default", save: bool = True, **llm_kw: Any) -> dict:
+def engine_kwargs(model_dir: str, store: str, namespace: str = "default", save: bool = True, attention: bool = False,
+                  **llm_kw: Any) -> dict:
     """Keyword arguments of vllm.LLM (or `vllm serve` flags' equivalent) with the kvpos connector configured:
     kv_load_failure_policy="recompute" (a chunk that cannot be loaded is recomputed by vLLM, never an empty
-    output). Prefix caching stays as vLLM sets it: kvpos requests carry their own cache salt (params.py)."""
+    output). Prefix caching stays as vLLM sets it: kvpos requests carry their own cache salt (params.py).
+    attention=True: the engine runs kvpos's attention backend (attention.py; KVPOS_VLLM_ATTENTION=1 must be set in
+    the environment before vLLM starts, else ValueError)."""
+    from .plugin import ENV, enabled
+
     from vllm.config import KVTransferConfig
 
     if not isinstance(store, str) or not store:
         fail("engine_kwargs store", "'redis://host:port/db' or 'disk:///absolute/path'", repr(store))
     if not isinstance(save, bool):
         fail("engine_kwargs save", "a bool", f"{type(save).__name__} {save!r}", exc=TypeError)
+    if not isinstance(attention, bool):
+        fail("engine_kwargs attention", "a bool", f"{type(attention).__name__} {attention!r}", exc=TypeError)
+    if attention != enabled():
+        fail("engine_kwargs attention", f"{ENV}=1 in the environment exactly when attention=True",
+             f"attention={attention}, {ENV}={enabled()}", f"export {ENV}=1 before starting vLLM (its plugin reads "
+             "it in every engine process), or pass attention=False")
     cfg = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
                            kv_load_failure_policy="recompute",
-                           kv_connector_extra_config={"store": store, "namespace": namespace, "save": save})
+                           kv_connector_extra_config={"store": store, "namespace": namespace, "save": save,
+                                                      "attention": attention})
     return {"model": model_dir, "kv_transfer_config": cfg, **llm_kw}
 
 

@@ -1,6 +1,9 @@
 """What a request tells the kvpos connector, validated strictly: `kv_transfer_params["kvpos"]` and the cache salt.
 
-    {"segments": [[0, A, "anchor"], [A, B, "chunk"], ...], "save": true, "memory": true}
+    {"segments": [[0, A, "anchor"], [A, B, "chunk"], ...], "save": true, "memory": true, "layout": "sequential"}
+
+layout "parallel" (passages at overlapping positions after the anchor, not visible to each other; kvpos.compose)
+needs the kvpos attention backend (attention.py) and is refused without it.
 
 No engine import: the connector (scheduler side) calls `parse_request`; `RequestBuilder` writes what it accepts.
 
@@ -20,10 +23,11 @@ from typing import Any
 
 from kvpos._checks import fail
 
-__all__ = ["RequestParams", "parse_request", "kvpos_salt", "SALT_PREFIX"]
+__all__ = ["RequestParams", "parse_request", "kvpos_salt", "SALT_PREFIX", "LAYOUTS"]
 
 SALT_PREFIX = "kvpos:"
-_KEYS = ("segments", "save", "memory")
+_KEYS = ("segments", "save", "memory", "layout")
+LAYOUTS = ("sequential", "parallel")
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,15 @@ class RequestParams:
     segments: tuple[tuple[int, int, str], ...]
     save: bool
     memory: bool
+    layout: str = "sequential"
 
 
-def kvpos_salt(segments: Any) -> str:
-    """The cache salt prefix of a request with these segments: "kvpos:" + sha256 of their canonical JSON."""
+def kvpos_salt(segments: Any, layout: str = "sequential") -> str:
+    """The cache salt prefix of a request with these segments and layout: "kvpos:" + sha256 of their canonical JSON
+    (the layout enters only when it is not "sequential", so sequential salts are what they always were)."""
     canon = json.dumps([[int(a), int(b), str(k)] for a, b, k in segments], separators=(",", ":"))
+    if layout != "sequential":
+        canon += "|" + str(layout)
     return SALT_PREFIX + hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
@@ -69,20 +77,29 @@ def parse_segments(segments: Any, n_prompt: int) -> tuple[tuple[int, int, str], 
     return tuple(out)
 
 
-def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bool, default_save: bool
-                  ) -> RequestParams:
+def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bool, default_save: bool,
+                  raw: bool = False) -> RequestParams:
     """Validate kv_transfer_params["kvpos"] of a request with `n_prompt` prompt tokens. `salted`: the engine runs
-    with prefix caching, so `cache_salt` must start with kvpos_salt(segments). Raises ValueError naming the
-    offending field and value."""
+    with prefix caching, so `cache_salt` must start with kvpos_salt(segments, layout). `raw`: the engine runs the
+    kvpos attention backend (any layout); without it only "sequential". Raises ValueError naming the offending field
+    and value."""
     if not isinstance(params, dict):
-        fail("kvpos params", "an object {segments, save?, memory?}", f"{type(params).__name__} {str(params)[:60]}")
+        fail("kvpos params", "an object {segments, save?, memory?, layout?}",
+             f"{type(params).__name__} {str(params)[:60]}")
     unknown = sorted(str(k) for k in params if k not in _KEYS)
     if unknown:
         fail("kvpos params", f"only the keys {list(_KEYS)}", f"unknown keys {unknown}")
     segments = parse_segments(params.get("segments"), n_prompt)
-    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True))
+    layout = params.get("layout", "sequential")
+    if layout not in LAYOUTS:
+        fail("kvpos layout", f"one of {list(LAYOUTS)}", repr(layout)[:60])
+    if layout != "sequential" and not raw:
+        fail("kvpos layout", "'sequential' (this engine runs vLLM's own attention)", repr(layout),
+             "start the engine with the kvpos attention backend: KVPOS_VLLM_ATTENTION=1 and "
+             "engine_kwargs(..., attention=True)")
+    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True), layout)
     if salted:
-        want = kvpos_salt(segments)
+        want = kvpos_salt(segments, layout)
         if not isinstance(cache_salt, str) or not cache_salt.startswith(want):
             fail("kvpos request cache_salt", f"a salt starting with {want!r} (RequestBuilder sets it)",
                  repr(cache_salt), "with prefix caching on, blocks filled from stored passages must not be hashed like "

@@ -36,19 +36,24 @@ class RequestBuilder:
     def parts(self, passages: Sequence[str], question: str) -> PromptParts:
         return self.builder.parts(passages, question)
 
-    def request(self, passages: Sequence[str], question: str, save: bool = True, salt: str = "") -> tuple[dict, dict]:
+    def request(self, passages: Sequence[str], question: str, save: bool = True, salt: str = "",
+                layout: str = "sequential") -> tuple[dict, dict]:
         """({"prompt_token_ids": ids, "cache_salt": ...}, kv_transfer_params) for passages + question; `salt`: the
-        caller's own cache salt, appended to kvpos's (requests with other salts never share prefix-cache blocks)."""
-        return self.from_parts(self.parts(passages, question), save, salt)
+        caller's own cache salt, appended to kvpos's (requests with other salts never share prefix-cache blocks);
+        `layout`: "sequential" or "parallel" (the latter needs the kvpos attention backend)."""
+        return self.from_parts(self.parts(passages, question), save, salt, layout)
 
     @staticmethod
-    def from_parts(parts: PromptParts, save: bool = True, salt: str = "") -> tuple[dict, dict]:
+    def from_parts(parts: PromptParts, save: bool = True, salt: str = "", layout: str = "sequential"
+                   ) -> tuple[dict, dict]:
         """The prompt (token ids and the cache salt that keeps loaded blocks apart from plain ones in vLLM's prefix
         cache, `salt` appended: a caller's own salt) and kv_transfer_params."""
         ids = parts.full_ids()[0].tolist()
         segments = segments_of(parts)
-        return ({"prompt_token_ids": ids, "cache_salt": kvpos_salt(segments) + salt},
-                {"kvpos": {"segments": segments, "save": save}})
+        params = {"segments": segments, "save": save}
+        if layout != "sequential":
+            params["layout"] = layout
+        return ({"prompt_token_ids": ids, "cache_salt": kvpos_salt(segments, layout) + salt}, {"kvpos": params})
 
     def precompute_request(self, passage: str) -> tuple[dict, dict]:
         """anchor + passage alone (the passage is computed right after the anchor, so its KV is saved)."""

@@ -21,7 +21,7 @@ from kvpos.store import ChunkStore
 
 from .params import RequestParams, parse_request
 
-__all__ = ["SegmentIO", "KvposMetadataFields", "WorkerReport", "Plan", "SchedulerSide"]
+__all__ = ["SegmentIO", "RowLayout", "KvposMetadataFields", "WorkerReport", "Plan", "SchedulerSide"]
 
 
 @dataclass
@@ -40,12 +40,31 @@ class SegmentIO:
     anchor_ids: list[int]
     block_ids: list[int]
     memory: bool = True
+    position: int = -1             # logical position of the segment's first token (-1: its token index, start)
+
+    def __post_init__(self) -> None:
+        if self.position < 0:
+            self.position = self.start
+
+
+@dataclass
+class RowLayout:
+    """A scheduled request whose logical positions and visibility differ from vLLM's (the kvpos attention backend
+    reads it): its blocks (the worker finds the request's batch row by the block its last scheduled token goes
+    to), anchor length, passage lengths and layout (kvpos.compose.plan_layout)."""
+
+    req_id: str
+    block_ids: list[int]
+    anchor_len: int
+    lengths: list[int]
+    layout: str
 
 
 @dataclass
 class KvposMetadataFields:
     loads: list[SegmentIO] = field(default_factory=list)
     saves: list[SegmentIO] = field(default_factory=list)
+    rows: list[RowLayout] = field(default_factory=list)
 
 
 @dataclass
@@ -109,8 +128,9 @@ class SchedulerSide:
     after an anchor; `salted`: the engine runs with prefix caching (kvpos requests must carry the kvpos salt)."""
 
     def __init__(self, block: int, store_of: Callable[[tuple[int, ...], bool], ChunkStore], salted: bool,
-                 default_save: bool, limit: int | None, log: Any = None) -> None:
+                 default_save: bool, limit: int | None, log: Any = None, raw: bool = False) -> None:
         self.block = block
+        self.raw = raw                          # the engine runs the kvpos attention backend
         self.store_of = store_of
         self.salted = salted
         self.default_save = default_save
@@ -144,8 +164,10 @@ class SchedulerSide:
                 break
         end = min(run, len(prompt) - 1) // self.block * self.block
         plan.local, plan.load_end = num_computed_tokens, max(num_computed_tokens, end)
-        # save the anchor and the passage right after it (position-independent) when vLLM computes them whole
-        plan.save = [i for i in (0, 1)[:len(segs)] if plan.params.save and segs[i][0] >= plan.load_end]
+        # save the position-independent segments vLLM computes whole: the anchor and the passage right after it
+        # (sequential), every passage (parallel: each is encoded after the anchor alone)
+        free = range(len(segs)) if plan.params.layout == "parallel" else range(min(2, len(segs)))
+        plan.save = [i for i in free if plan.params.save and segs[i][0] >= plan.load_end]
         return plan.load_end - num_computed_tokens
 
     def _new_plan(self, request: Any, params: Any) -> Plan:
@@ -154,7 +176,7 @@ class SchedulerSide:
             else 0
         try:
             parsed = parse_request(params, len(prompt), getattr(request, "cache_salt", None), self.salted,
-                                   self.default_save)
+                                   self.default_save, self.raw)
             if self.limit is not None and len(prompt) > self.limit:
                 raise ValueError(f"kvpos request: expected at most {self.limit} tokens (the exact range of this "
                                  f"model's length-dependent RoPE), got {len(prompt)}")
@@ -212,6 +234,10 @@ class SchedulerSide:
         return meta
 
     def _step(self, meta: KvposMetadataFields, req_id: str, plan: Plan, computed: int, scheduled: int) -> None:
+        if plan.params.layout != "sequential" and scheduled > 0:
+            segs = plan.segments
+            meta.rows.append(RowLayout(req_id, list(plan.block_ids), segs[0][1] - segs[0][0],
+                                       [b - a for a, b, _ in segs[1:]], plan.params.layout))
         if req_id in self.to_load:
             self._add_loads(meta, req_id, plan)
         if plan.save:
@@ -220,9 +246,10 @@ class SchedulerSide:
     def _io(self, req_id: str, plan: Plan, i: int, lo: int, hi: int) -> SegmentIO:
         a, b, kind = plan.segments[i]
         anchor = plan.segments[0]
+        position = anchor[1] if plan.params.layout == "parallel" and kind != "anchor" else a
         return SegmentIO(req_id, kind, i, a, b, lo, hi, plan.prompt[a:b],
                          [] if kind == "anchor" else plan.prompt[anchor[0]:anchor[1]], plan.block_ids,
-                         plan.params.memory)
+                         plan.params.memory, position)
 
     def _add_loads(self, meta: KvposMetadataFields, req_id: str, plan: Plan) -> None:
         plan.issued = []

@@ -1,10 +1,7 @@
 """The worker side of the kvpos connector: stored chunks into vLLM's paged cache (raw keys rotated once to the
-positions the prompt gives them), computed passages back into the store (keys un-rotated), and a report of what
-each load did.
-
-Paged KV on vLLM's CPU backend, per layer: [blocks, kv heads, block size, 2 x head dim], each block's interior in a
-layout of the attention kernel's instruction set. Writes go through vLLM's own `cpu_attn_reshape_and_cache`; reads
-(for saving) use the element map that op produces on a scratch block, computed once.
+positions the prompt gives them; with the kvpos attention backend, `raw=True`, written as they are), computed
+passages back into the store (keys un-rotated, or as they are when raw), and a report of what each load did.
+The paged layout: paged.py.
 """
 from __future__ import annotations
 
@@ -13,13 +10,12 @@ import time
 from typing import Any, Callable
 
 import torch
-import vllm._custom_ops as vllm_ops
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvpos._checks import fail
 from kvpos.rope import rotate, unrotate
 from kvpos.store import ChunkKV, ChunkStore, CorruptChunkError, FingerprintMismatch, StoreUnavailable
 
+from .paged import PagedLayout
 from .scheduler import KvposMetadataFields, SegmentIO, WorkerReport
 
 __all__ = ["WorkerSide"]
@@ -52,8 +48,9 @@ class WorkerSide:
     the keys the worker-memory tier holds (None without one)."""
 
     def __init__(self, block: int, specs: list, dtype: torch.dtype, store_of: Callable[[tuple, bool], ChunkStore],
-                 memory_keys: Callable[[], frozenset | None], log: Any) -> None:
+                 memory_keys: Callable[[], frozenset | None], log: Any, raw: bool = False) -> None:
         self.block = block
+        self.raw = raw                 # the kvpos attention backend holds raw keys in the paged cache
         self.specs = specs
         self.dtype = dtype
         self.store_of = store_of
@@ -64,8 +61,7 @@ class WorkerSide:
         self.failed_blocks: set[int] = set()
         self.report = WorkerReport()
         self.reported_memory: frozenset | None = None
-        self.isa: str | None = None
-        self.maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.paged = PagedLayout(dtype)
         self.groups: list[tuple[list[int], Any]] | None = None
 
     # -- vLLM's paged cache -----------------------------------------------------------------------------------------
@@ -82,32 +78,6 @@ class WorkerSide:
         t = torch.arange(lo, hi)
         blocks = torch.tensor(io.block_ids)[t // self.block]
         return blocks, t % self.block
-
-    @staticmethod
-    def _halves(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) views of one layer's paged tensor, as the CPU attention backend makes them."""
-        nb, H, bs, d2 = kv.shape
-        return kv.view(nb, H, 2 * bs, d2 // 2).chunk(2, dim=2)
-
-    def _element_maps(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where vLLM's cache op puts key / value element (offset o, dim d) inside one head's block: two [bs, D]
-        int64 maps into the block interior flattened, found by writing coded values into a scratch block."""
-        if self.maps is None:
-            _, H, bs, d2 = kv.shape
-            D = d2 // 2
-            self.isa = _get_attn_isa(self.dtype, bs, D, "auto")
-            scratch = torch.zeros(1, H, bs, d2, dtype=torch.float32)
-            code = (torch.arange(bs * D, dtype=torch.float32) + 1).view(bs, 1, D).expand(bs, H, D).contiguous()
-            kc, vc = self._halves(scratch)
-            vllm_ops.cpu_attn_reshape_and_cache(code, -code, kc, vc, torch.arange(bs), self.isa)
-            flat = scratch[0, 0].reshape(-1)
-            kmap, vmap = torch.full((bs * D,), -1, dtype=torch.long), torch.full((bs * D,), -1, dtype=torch.long)
-            kmap[(flat[flat > 0] - 1).long()] = (flat > 0).nonzero().flatten()
-            vmap[(-flat[flat < 0] - 1).long()] = (flat < 0).nonzero().flatten()
-            if bool((kmap < 0).any()) or bool((vmap < 0).any()):
-                fail("kvpos paged layout", "every key and value element found in the block", "missing elements")
-            self.maps = (kmap.view(bs, D), vmap.view(bs, D))
-        return self.maps
 
     def _spec_groups(self) -> list[tuple[list[int], Any]]:
         """Layers grouped by identical RoPE spec (most models: one group), each rotated in one call."""
@@ -166,16 +136,14 @@ class WorkerSide:
         slots = blocks * self.block + offs
         part = slice(io.lo - io.start, io.hi - io.start)
         pos = torch.arange(io.lo, io.hi)
-        self._element_maps(self.kv[0])
         dtype = self.kv[0].dtype
         for layers, spec in self._spec_groups():
             sel = slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
             raw = chunk.raw_keys[sel, :, part].to(dtype)                     # [G, H, s, D] (a view when it can)
-            k = rotate(raw, pos, spec).transpose(1, 2).contiguous()          # [G, s, H, D]: one rotation per group
+            k = (raw if self.raw else rotate(raw, pos, spec)).transpose(1, 2).contiguous()   # [G, s, H, D]
             v = chunk.values[sel, :, part].to(dtype).transpose(1, 2).contiguous()
             for g, l in enumerate(layers):
-                kc, vc = self._halves(self.kv[l])
-                vllm_ops.cpu_attn_reshape_and_cache(k[g], v[g], kc, vc, slots, self.isa)
+                self.paged.write(self.kv[l], k[g], v[g], slots)
 
     def take_failed_blocks(self) -> set[int]:
         out, self.failed_blocks = self.failed_blocks, set()
@@ -188,14 +156,11 @@ class WorkerSide:
         layer = int(m[1]) if m else -1
         if layer not in self.kv:
             return
-        kmap, vmap = self._element_maps(kv_layer)
-        nb, H = kv_layer.shape[:2]
-        flat = kv_layer.view(nb, H, -1)
         for io in meta.saves:
             blocks, offs = self._slots(io, io.lo, io.hi)
-            k = flat[blocks[:, None], :, kmap[offs]].permute(2, 0, 1)       # [H, s, D] rotated
-            v = flat[blocks[:, None], :, vmap[offs]].permute(2, 0, 1)
-            raw = unrotate(k[None].float(), torch.arange(io.lo, io.hi), self.specs[layer])[0].to(k.dtype)
+            k, v = self.paged.gather(kv_layer, blocks, offs)                  # [H, s, D]
+            raw = k if self.raw else unrotate(k[None].float(), torch.arange(io.lo, io.hi),
+                                               self.specs[layer])[0].to(k.dtype)
             key = (io.req_id, io.start)
             if key not in self.pending:
                 self.pending[key] = _Pending(io.end - io.start)
@@ -209,7 +174,7 @@ class WorkerSide:
             if p is None or not p.complete(len(self.specs)):
                 continue                                          # more of the segment comes in a later step
             del self.pending[key]
-            if io.start != (0 if io.kind == "anchor" else len(io.anchor_ids)):
+            if io.position != (0 if io.kind == "anchor" else len(io.anchor_ids)):
                 continue                                          # only position-independent segments are saved
             store = self.store_of(tuple(io.anchor_ids), True)
             ks = torch.stack([p.layers[l][0] for l in range(len(self.specs))]).contiguous()

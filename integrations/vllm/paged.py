@@ -1,0 +1,66 @@
+"""vLLM's paged KV cache on the CPU backend, as kvpos reads and writes it: one place for the block layout.
+
+Per layer one tensor [blocks, kv heads, block size, 2 x head dim]; each head's block interior holds the block's keys
+and values in a layout of the attention kernel's instruction set. Writes go through vLLM's own
+`cpu_attn_reshape_and_cache`; reads use the element map that op produces on a scratch block, found once.
+"""
+from __future__ import annotations
+
+import torch
+import vllm._custom_ops as vllm_ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from kvpos._checks import fail
+
+__all__ = ["PagedLayout", "halves"]
+
+
+def halves(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache) views of one layer's paged tensor, as the CPU attention backend makes them."""
+    nb, H, bs, d2 = kv.shape
+    return kv.view(nb, H, 2 * bs, d2 // 2).chunk(2, dim=2)
+
+
+class PagedLayout:
+    """The block interior of one engine's paged cache (block size, kv heads, head dim and dtype fixed at the first
+    call): `write` keys and values into slots, `gather` them back by (block, offset)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.isa: str | None = None
+        self.maps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def element_maps(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where vLLM's cache op puts key / value element (offset o, dim d) inside one head's block: two [bs, D]
+        int64 maps into the block interior flattened, found by writing coded values into a scratch block."""
+        if self.maps is None:
+            _, H, bs, d2 = kv.shape
+            D = d2 // 2
+            self.isa = _get_attn_isa(self.dtype, bs, D, "auto")
+            scratch = torch.zeros(1, H, bs, d2, dtype=torch.float32)
+            code = (torch.arange(bs * D, dtype=torch.float32) + 1).view(bs, 1, D).expand(bs, H, D).contiguous()
+            kc, vc = halves(scratch)
+            vllm_ops.cpu_attn_reshape_and_cache(code, -code, kc, vc, torch.arange(bs), self.isa)
+            flat = scratch[0, 0].reshape(-1)
+            kmap, vmap = torch.full((bs * D,), -1, dtype=torch.long), torch.full((bs * D,), -1, dtype=torch.long)
+            kmap[(flat[flat > 0] - 1).long()] = (flat > 0).nonzero().flatten()
+            vmap[(-flat[flat < 0] - 1).long()] = (flat < 0).nonzero().flatten()
+            if bool((kmap < 0).any()) or bool((vmap < 0).any()):
+                fail("kvpos paged layout", "every key and value element found in the block", "missing elements")
+            self.maps = (kmap.view(bs, D), vmap.view(bs, D))
+        return self.maps
+
+    def write(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v: [s, H, D] into slots [s] int64 (block * block size + offset) of the layer tensor `kv`."""
+        self.element_maps(kv)
+        kc, vc = halves(kv)
+        vllm_ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self.isa)
+
+    def gather(self, kv: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [H, s, D] of the tokens at (blocks [s], offs [s]) of the layer tensor `kv`."""
+        kmap, vmap = self.element_maps(kv)
+        nb, H = kv.shape[:2]
+        flat = kv.view(nb, H, -1)
+        k = flat[blocks[:, None], :, kmap[offs]].permute(2, 0, 1)
+        v = flat[blocks[:, None], :, vmap[offs]].permute(2, 0, 1)
+        return k, v

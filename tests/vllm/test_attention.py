@@ -1,0 +1,120 @@
+"""kvpos as vLLM's attention: an engine with the kvpos backend (raw keys in the paged cache, positions applied in
+attention) runs in its own process over the session's Redis store (attention_engine.py); its outputs are checked
+against vLLM's own backend (this session's engine) and kvpos's transformers path for the same layout."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from vllm_env import MODEL, ROOT
+from vllm import SamplingParams
+
+from kvpos.integrations.vllm.engine import engine_kwargs
+from kvpos.integrations.vllm.params import parse_request
+from kvpos.integrations.vllm.plugin import ENV, enabled
+
+TOL = 2e-3                       # first-step log-probabilities of two engines' fp32 kernels (as the connector tests)
+
+
+@pytest.fixture(scope="module")
+def backend_run(redis_url, tmp_path_factory):
+    out = tmp_path_factory.mktemp("attention") / "out.json"
+    env = {**os.environ, ENV: "1"}
+    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "attention_engine.py"), MODEL,
+                          redis_url, str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert res.returncode == 0 and out.exists(), res.stderr[-4000:]
+    return {c["name"]: c for c in json.loads(out.read_text())["cases"]}
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+
+
+def _check(case, ref_logprobs, ref_tokens):
+    """The case's first-step log-probabilities within TOL of ref_logprobs [V], its greedy tokens equal."""
+    for t, x in case["logprobs"].items():
+        assert abs(float(ref_logprobs[int(t)]) - x) < TOL, (case["name"], t, float(ref_logprobs[int(t)]), x)
+    assert case["tokens"] == ref_tokens, case["name"]
+
+
+def _kvpos_reference(model, tok, case, layout):
+    """kvpos's transformers path over the same request: chunks composed in `layout` (cropped to what the engine
+    loaded in the sequential layout, where vLLM computes the rest in context), the rest extended, then greedy."""
+    from kvpos.integrations.compose import ChunkComposer
+    from kvpos.integrations.hf import extend, generate
+    from kvpos.prompt import PromptParts
+
+    ids = torch.tensor(case["prompt"]["prompt_token_ids"])
+    segs = case["params"]["kvpos"]["segments"]
+    parts = PromptParts(ids[:segs[0][1]], [ids[a:b] for a, b, _ in segs[1:]], ids[segs[-1][1]:])
+    cache, _ = ChunkComposer(model, parts.anchor).compose(parts.chunks, layout=layout)
+    done = segs[-1][1]
+    if layout == "sequential":
+        done = case["kvpos"]["loaded_tokens"]
+        cache.crop(done - cache.num_slots)
+    logits = extend(model, cache, ids[done:][None])[0, -1].float()
+    first = int(logits.argmax())
+    more = generate(model, cache, torch.tensor([[first]]), max_new_tokens=len(case["tokens"]) - 1, do_sample=False,
+                    pad_token_id=tok.eos_token_id)
+    return torch.log_softmax(logits, -1), [first] + more[0, 1:].tolist()
+
+
+def test_a_plain_request_gets_vllms_own_output(backend_run, engine):
+    """No kvpos parameters: raw keys rotated in attention give vLLM's own log-probabilities and greedy tokens."""
+    case = backend_run["plain"]
+    sp = SamplingParams(max_tokens=len(case["tokens"]), temperature=0.0, logprobs=5, ignore_eos=True)
+    out = engine.generate(case["prompt"], sp, use_tqdm=False)[0].outputs[0]
+    stock = {int(t): x.logprob for t, x in out.logprobs[0].items()}
+    for t, x in case["logprobs"].items():
+        assert int(t) in stock and abs(stock[int(t)] - x) < TOL, (t, stock.get(int(t)), x)
+    assert case["tokens"] == list(out.token_ids)
+    assert case["kvpos"] is None
+
+
+@pytest.mark.parametrize("name", ["parallel_computed", "parallel_loaded", "parallel_mixed"])
+def test_parallel_layout_in_the_engine_equals_kvpos_transformers_path(backend_run, hf_model, tok, name):
+    """Passages at overlapping positions after the anchor, not visible to each other: computed by the engine under
+    the backend's mask, loaded raw from the store, or both, the output equals kvpos's parallel composition."""
+    case = backend_run[name]
+    ref_lp, ref_tokens = _kvpos_reference(hf_model, tok, case, "parallel")
+    _check(case, ref_lp, ref_tokens)
+
+
+def test_parallel_requests_load_passages_another_parallel_request_saved(backend_run):
+    """Every passage of a parallel request is position-independent, so each is saved and later loaded."""
+    assert backend_run["parallel_computed"]["kvpos"]["loaded_tokens"] == 0
+    rep = backend_run["parallel_loaded"]["kvpos"]
+    assert rep["loaded_tokens"] >= 256 and "load_failed" not in rep, rep
+    rep = backend_run["parallel_mixed"]["kvpos"]
+    assert 0 < rep["loaded_tokens"] < sum(b - a for a, b, _ in backend_run["parallel_mixed"]["params"]["kvpos"][
+        "segments"]), rep                                     # stored passages loaded, the new one computed
+
+
+def test_sequential_layout_on_raw_loads_equals_kvpos_transformers_path(backend_run, hf_model, tok):
+    """Passages loaded raw (no rotation at load time) in another order, positions applied in attention."""
+    case = backend_run["sequential_loaded"]
+    assert case["kvpos"]["loaded_tokens"] >= 256, case["kvpos"]
+    ref_lp, ref_tokens = _kvpos_reference(hf_model, tok, case, "sequential")
+    _check(case, ref_lp, ref_tokens)
+
+
+def test_the_parallel_layout_is_refused_without_the_backend():
+    """vLLM's own attention cannot read positions differently: the layout is refused with the fix."""
+    with pytest.raises(ValueError, match=ENV):
+        parse_request({"segments": [[0, 4, "anchor"], [4, 8, "chunk"]], "layout": "parallel"}, 10, None, False, True)
+    with pytest.raises(ValueError, match="layout"):
+        parse_request({"segments": [[0, 4, "anchor"], [4, 8, "chunk"]], "layout": "diagonal"}, 10, None, False, True,
+                      raw=True)
+
+
+def test_engine_kwargs_refuse_attention_without_the_plugin_switch():
+    assert not enabled()                        # this session's engine runs vLLM's own attention
+    with pytest.raises(ValueError, match=ENV):
+        engine_kwargs(MODEL, "redis://127.0.0.1:1/0", attention=True)
+    with pytest.raises(TypeError, match="attention"):
+        engine_kwargs(MODEL, "redis://127.0.0.1:1/0", attention="yes")
