@@ -12,7 +12,7 @@ Writes (`do_kv_cache_update`): the model rotated the step's keys at vLLM's posit
 un-rotated there with the model's RoPE spec (kvpos.rope.unrotate) and written raw. Reads (`forward`): per batch
 row, the request's raw keys and values [H, s, D] are gathered through its block table, the keys rotated to the
 request's logical positions, the queries turned from vLLM's positions to their logical ones, and attention runs
-under the request's visibility (a torch path, float32 softmax). A row without a kvpos layout has logical = vLLM
+under the request's visibility (a torch path, float32 softmax; with APE, kvpos.ape.ape_attend over the passages). A row without a kvpos layout has logical = vLLM
 positions and a causal mask: vLLM's own attention, up to rounding.
 
 A request's layout reaches the worker through the kvpos connector's step metadata (scheduler.RowLayout); its batch
@@ -37,6 +37,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvpos._checks import fail
+from kvpos.ape import ape_attend
 from kvpos.compose import plan_layout
 from kvpos.rope import rotate, unrotate
 
@@ -73,7 +74,7 @@ class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
 class RowView:
     """One batch row: query tokens [q0, q1) of the step, s tokens of the request so far, the (block, offset) of each
     [s], and, for a kvpos layout, logical positions [s] int64 and visibility of the row's queries [q, s] bool
-    (None: vLLM's positions, causal)."""
+    (None: vLLM's positions, causal); with APE its (temperature, scale) and which tokens are passages [s] bool."""
 
     q0: int
     q1: int
@@ -82,6 +83,8 @@ class RowView:
     offs: torch.Tensor
     logical: torch.Tensor | None = None
     allowed: torch.Tensor | None = None
+    ape: tuple[float, float] | None = None
+    is_ctx: torch.Tensor | None = None
 
 
 def _layout_positions(anchor_len: int, lengths: list[int], layout: str, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +117,9 @@ def row_views(meta: KvposAttentionMetadata, block_size: int, rows: list) -> list
         if r is not None:
             logical, allowed = _layout_positions(r.anchor_len, r.lengths, r.layout, s)
             v.logical, v.allowed = logical, allowed[s - (q1 - q0):]
+            if r.ape is not None:
+                v.ape = tuple(r.ape)
+                v.is_ctx = (t >= r.anchor_len) & (t < r.anchor_len + sum(r.lengths))
             used.add(r.req_id)
         views.append(v)
     missing = sorted({r.req_id for r in rows} - used)
@@ -194,6 +200,10 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
             kpos, mask = v.logical, v.allowed
             qh = rotate(unrotate(qh, vpos, spec), kpos[v.s - n:], spec)
         k = rotate(raw[None], kpos, spec)[0]                                    # [H, s, D]
+        if v.ape is not None:                                                   # APE over the passages
+            out = ape_attend(qh, k[None], val[None], mask[None, None], v.is_ctx[None], self.scale, v.ape[0],
+                             v.ape[1], q_is_ctx=v.is_ctx[v.s - n:][None])       # [1, Hq, q, D]
+            return out[0].transpose(0, 1).to(q.dtype)
         G = self.num_queries_per_kv
         k = k.repeat_interleave(G, dim=0).float()
         val = val.repeat_interleave(G, dim=0).float()

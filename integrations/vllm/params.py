@@ -26,7 +26,7 @@ from kvpos._checks import fail
 __all__ = ["RequestParams", "parse_request", "kvpos_salt", "SALT_PREFIX", "LAYOUTS"]
 
 SALT_PREFIX = "kvpos:"
-_KEYS = ("segments", "save", "memory", "layout")
+_KEYS = ("segments", "save", "memory", "layout", "ape")
 LAYOUTS = ("sequential", "parallel")
 
 
@@ -39,14 +39,17 @@ class RequestParams:
     save: bool
     memory: bool
     layout: str = "sequential"
+    ape: tuple[float, float] | None = None      # APE's (temperature, scale) over the passages (kvpos.ape)
 
 
-def kvpos_salt(segments: Any, layout: str = "sequential") -> str:
-    """The cache salt prefix of a request with these segments and layout: "kvpos:" + sha256 of their canonical JSON
-    (the layout enters only when it is not "sequential", so sequential salts are what they always were)."""
+def kvpos_salt(segments: Any, layout: str = "sequential", ape: Any = None) -> str:
+    """The cache salt prefix of a request with these segments, layout and APE knobs: "kvpos:" + sha256 of their
+    canonical JSON (layout and APE enter only when not the defaults, so sequential salts are what they always were)."""
     canon = json.dumps([[int(a), int(b), str(k)] for a, b, k in segments], separators=(",", ":"))
     if layout != "sequential":
         canon += "|" + str(layout)
+    if ape is not None:
+        canon += "|ape:" + json.dumps([float(x) for x in ape])
     return SALT_PREFIX + hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
@@ -77,6 +80,21 @@ def parse_segments(segments: Any, n_prompt: int) -> tuple[tuple[int, int, str], 
     return tuple(out)
 
 
+def _ape(ape: Any, raw: bool) -> tuple[float, float] | None:
+    """{"temperature": t, "scale": s} (finite floats > 0) -> (t, s); None stays None."""
+    if ape is None:
+        return None
+    if not raw:
+        fail("kvpos ape", "no APE (this engine runs vLLM's own attention)", str(ape)[:60],
+             "start the engine with the kvpos attention backend: KVPOS_VLLM_ATTENTION=1 and "
+             "engine_kwargs(..., attention=True)")
+    ok = isinstance(ape, dict) and set(ape) == {"temperature", "scale"} and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < float(v) < float("inf") for v in ape.values())
+    if not ok:
+        fail("kvpos ape", '{"temperature": t, "scale": s}, both finite numbers > 0', str(ape)[:80])
+    return float(ape["temperature"]), float(ape["scale"])
+
+
 def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bool, default_save: bool,
                   raw: bool = False) -> RequestParams:
     """Validate kv_transfer_params["kvpos"] of a request with `n_prompt` prompt tokens. `salted`: the engine runs
@@ -97,9 +115,10 @@ def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bo
         fail("kvpos layout", "'sequential' (this engine runs vLLM's own attention)", repr(layout),
              "start the engine with the kvpos attention backend: KVPOS_VLLM_ATTENTION=1 and "
              "engine_kwargs(..., attention=True)")
-    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True), layout)
+    ape = _ape(params.get("ape"), raw)
+    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True), layout, ape)
     if salted:
-        want = kvpos_salt(segments, layout)
+        want = kvpos_salt(segments, layout, ape)
         if not isinstance(cache_salt, str) or not cache_salt.startswith(want):
             fail("kvpos request cache_salt", f"a salt starting with {want!r} (RequestBuilder sets it)",
                  repr(cache_salt), "with prefix caching on, blocks filled from stored passages must not be hashed like "

@@ -37,15 +37,16 @@ class RequestBuilder:
         return self.builder.parts(passages, question)
 
     def request(self, passages: Sequence[str], question: str, save: bool = True, salt: str = "",
-                layout: str = "sequential") -> tuple[dict, dict]:
+                layout: str = "sequential", ape: tuple[float, float] | None = None) -> tuple[dict, dict]:
         """({"prompt_token_ids": ids, "cache_salt": ...}, kv_transfer_params) for passages + question; `salt`: the
         caller's own cache salt, appended to kvpos's (requests with other salts never share prefix-cache blocks);
-        `layout`: "sequential" or "parallel" (the latter needs the kvpos attention backend)."""
-        return self.from_parts(self.parts(passages, question), save, salt, layout)
+        `layout`: "sequential" or "parallel"; `ape`: APE's (temperature, scale) over the passages (both need the
+        kvpos attention backend)."""
+        return self.from_parts(self.parts(passages, question), save, salt, layout, ape)
 
     @staticmethod
-    def from_parts(parts: PromptParts, save: bool = True, salt: str = "", layout: str = "sequential"
-                   ) -> tuple[dict, dict]:
+    def from_parts(parts: PromptParts, save: bool = True, salt: str = "", layout: str = "sequential",
+                   ape: tuple[float, float] | None = None) -> tuple[dict, dict]:
         """The prompt (token ids and the cache salt that keeps loaded blocks apart from plain ones in vLLM's prefix
         cache, `salt` appended: a caller's own salt) and kv_transfer_params."""
         ids = parts.full_ids()[0].tolist()
@@ -53,7 +54,9 @@ class RequestBuilder:
         params = {"segments": segments, "save": save}
         if layout != "sequential":
             params["layout"] = layout
-        return ({"prompt_token_ids": ids, "cache_salt": kvpos_salt(segments, layout) + salt}, {"kvpos": params})
+        if ape is not None:
+            params["ape"] = {"temperature": float(ape[0]), "scale": float(ape[1])}
+        return ({"prompt_token_ids": ids, "cache_salt": kvpos_salt(segments, layout, ape) + salt}, {"kvpos": params})
 
     def precompute_request(self, passage: str) -> tuple[dict, dict]:
         """anchor + passage alone (the passage is computed right after the anchor, so its KV is saved)."""

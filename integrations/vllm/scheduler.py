@@ -58,6 +58,7 @@ class RowLayout:
     anchor_len: int
     lengths: list[int]
     layout: str
+    ape: tuple[float, float] | None = None      # APE's (temperature, scale) over the passages
 
 
 @dataclass
@@ -234,10 +235,10 @@ class SchedulerSide:
         return meta
 
     def _step(self, meta: KvposMetadataFields, req_id: str, plan: Plan, computed: int, scheduled: int) -> None:
-        if plan.params.layout != "sequential" and scheduled > 0:
+        if (plan.params.layout != "sequential" or plan.params.ape is not None) and scheduled > 0:
             segs = plan.segments
             meta.rows.append(RowLayout(req_id, list(plan.block_ids), segs[0][1] - segs[0][0],
-                                       [b - a for a, b, _ in segs[1:]], plan.params.layout))
+                                       [b - a for a, b, _ in segs[1:]], plan.params.layout, plan.params.ape))
         if req_id in self.to_load:
             self._add_loads(meta, req_id, plan)
         if plan.save:

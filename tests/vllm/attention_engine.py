@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 N_TOKENS = 8
+APE = (0.6, 0.9)                 # APE's (temperature, scale) of the APE case
 
 
 def cases(tok):
@@ -30,10 +31,12 @@ def cases(tok):
                                    tokenize=False)
     plain = tok(text, add_special_tokens=False).input_ids
     out = [("plain", {"prompt_token_ids": list(plain)}, None)]
-    for name, order, layout in [("parallel_computed", [0, 1, 2], "parallel"), ("parallel_loaded", [2, 0, 1], "parallel"),
-                                ("sequential_loaded", [1, 2, 0], "sequential"),
-                                ("parallel_mixed", [2, 1, 3], "parallel")]:
-        prompt, params = rb.request([ps[i] for i in order], q, layout=layout, salt=name)
+    for name, order, layout, ape in [("parallel_computed", [0, 1, 2], "parallel", None),
+                                     ("parallel_loaded", [2, 0, 1], "parallel", None),
+                                     ("sequential_loaded", [1, 2, 0], "sequential", None),
+                                     ("parallel_mixed", [2, 1, 3], "parallel", None),
+                                     ("parallel_ape", [1, 3, 0, 2], "parallel", APE)]:
+        prompt, params = rb.request([ps[i] for i in order], q, layout=layout, salt=name, ape=ape)
         out.append((name, prompt, params))
     return out
 

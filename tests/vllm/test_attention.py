@@ -44,7 +44,11 @@ def _check(case, ref_logprobs, ref_tokens):
 
 def _kvpos_reference(model, tok, case, layout):
     """kvpos's transformers path over the same request: chunks composed in `layout` (cropped to what the engine
-    loaded in the sequential layout, where vLLM computes the rest in context), the rest extended, then greedy."""
+    loaded in the sequential layout, where vLLM computes the rest in context), the rest extended, then greedy (with
+    APE over the passages when the request asks for it)."""
+    import contextlib
+
+    from kvpos.integrations.ape import use_ape
     from kvpos.integrations.compose import ChunkComposer
     from kvpos.integrations.hf import extend, generate
     from kvpos.prompt import PromptParts
@@ -57,10 +61,12 @@ def _kvpos_reference(model, tok, case, layout):
     if layout == "sequential":
         done = case["kvpos"]["loaded_tokens"]
         cache.crop(done - cache.num_slots)
-    logits = extend(model, cache, ids[done:][None])[0, -1].float()
-    first = int(logits.argmax())
-    more = generate(model, cache, torch.tensor([[first]]), max_new_tokens=len(case["tokens"]) - 1, do_sample=False,
-                    pad_token_id=tok.eos_token_id)
+    ape = case["params"]["kvpos"].get("ape")
+    with use_ape(model, cache, ape["temperature"], ape["scale"]) if ape else contextlib.nullcontext():
+        logits = extend(model, cache, ids[done:][None])[0, -1].float()
+        first = int(logits.argmax())
+        more = generate(model, cache, torch.tensor([[first]]), max_new_tokens=len(case["tokens"]) - 1,
+                        do_sample=False, pad_token_id=tok.eos_token_id)
     return torch.log_softmax(logits, -1), [first] + more[0, 1:].tolist()
 
 
@@ -76,10 +82,11 @@ def test_a_plain_request_gets_vllms_own_output(backend_run, engine):
     assert case["kvpos"] is None
 
 
-@pytest.mark.parametrize("name", ["parallel_computed", "parallel_loaded", "parallel_mixed"])
+@pytest.mark.parametrize("name", ["parallel_computed", "parallel_loaded", "parallel_mixed", "parallel_ape"])
 def test_parallel_layout_in_the_engine_equals_kvpos_transformers_path(backend_run, hf_model, tok, name):
     """Passages at overlapping positions after the anchor, not visible to each other: computed by the engine under
-    the backend's mask, loaded raw from the store, or both, the output equals kvpos's parallel composition."""
+    the backend's mask, loaded raw from the store, or both, the output equals kvpos's parallel composition; with
+    APE's temperature and scale too (use_ape on the transformers path)."""
     case = backend_run[name]
     ref_lp, ref_tokens = _kvpos_reference(hf_model, tok, case, "parallel")
     _check(case, ref_lp, ref_tokens)
@@ -103,13 +110,21 @@ def test_sequential_layout_on_raw_loads_equals_kvpos_transformers_path(backend_r
     _check(case, ref_lp, ref_tokens)
 
 
-def test_the_parallel_layout_is_refused_without_the_backend():
-    """vLLM's own attention cannot read positions differently: the layout is refused with the fix."""
+def test_the_parallel_layout_and_ape_are_refused_without_the_backend():
+    """vLLM's own attention cannot read positions differently: the layout and APE are refused with the fix; bad
+    APE knobs are refused by name."""
     with pytest.raises(ValueError, match=ENV):
         parse_request({"segments": [[0, 4, "anchor"], [4, 8, "chunk"]], "layout": "parallel"}, 10, None, False, True)
     with pytest.raises(ValueError, match="layout"):
         parse_request({"segments": [[0, 4, "anchor"], [4, 8, "chunk"]], "layout": "diagonal"}, 10, None, False, True,
                       raw=True)
+    segs = [[0, 4, "anchor"], [4, 8, "chunk"]]
+    with pytest.raises(ValueError, match=ENV):
+        parse_request({"segments": segs, "ape": {"temperature": 0.7, "scale": 1.0}}, 10, None, False, True)
+    for bad in ({"temperature": 0.0, "scale": 1.0}, {"temperature": 0.7}, {"temperature": True, "scale": 1.0},
+                {"temperature": float("nan"), "scale": 1.0}, [0.7, 1.0]):
+        with pytest.raises(ValueError, match="kvpos ape"):
+            parse_request({"segments": segs, "ape": bad}, 10, None, False, True, raw=True)
 
 
 def test_engine_kwargs_refuse_attention_without_the_plugin_switch():
