@@ -109,7 +109,7 @@ class KvposConnector(KVConnectorBase_V1):
         block = int(vllm_config.cache_config.block_size)
         self._namespace = _extra(cfg, "namespace", "default", lambda v: isinstance(v, str) and v, "a non-empty string")
         save = _extra(cfg, "save", True, lambda v: isinstance(v, bool), "true or false")
-        self._raw = _extra(cfg, "attention", False, lambda v: isinstance(v, bool), "true or false")
+        self._raw_keys = _extra(cfg, "attention", False, lambda v: isinstance(v, bool), "true or false")
         self._far = open_store_backend(cfg.get_from_extra_config("store", None),
                                        cfg.get_from_extra_config("scheme", "float"))
         memory_mb = _extra(cfg, "memory_mb", 1024, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
@@ -128,13 +128,13 @@ class KvposConnector(KVConnectorBase_V1):
         limits = [s.max_exact_position for s in specs if s.max_exact_position is not None]
         salted = bool(vllm_config.cache_config.enable_prefix_caching)
         self._sched = SchedulerSide(block, self._store, salted, save, min(limits) if limits else None, logger,
-                                    self._raw) if role == KVConnectorRole.SCHEDULER else None
+                                    self._raw_keys) if role == KVConnectorRole.SCHEDULER else None
         self._worker = None
         if role == KVConnectorRole.WORKER:
             from .worker import WorkerSide
 
             self._worker = WorkerSide(block, specs, mc.dtype, self._store,
-                                      lambda: None if self._memory is None else self._memory.keys(), logger, self._raw)
+                                      lambda: None if self._memory is None else self._memory.keys(), logger, self._raw_keys)
 
     def _store(self, anchor_ids: tuple[int, ...], memory: bool = True) -> ChunkStore:
         """The store of chunks encoded after `anchor_ids` (the anchor itself: after the empty anchor); with
@@ -170,9 +170,9 @@ class KvposConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from .plugin import ENV, enabled
 
-        if enabled() != self._raw:
+        if enabled() != self._raw_keys:
             fail("KvposConnector attention", f"the kvpos attention backend ({ENV}=1) exactly when "
-                 "kv_connector_extra_config attention is true", f"{ENV}={enabled()}, attention={self._raw}",
+                 "kv_connector_extra_config attention is true", f"{ENV}={enabled()}, attention={self._raw_keys}",
                  "raw keys in the paged cache need both: engine_kwargs(..., attention=True) with "
                  f"{ENV}=1, or neither")
         self._worker.register(kv_caches)
