@@ -22,6 +22,9 @@ TTFT = wall time of a 1-token generate (median of --reps, each rep a new order).
 stored one by one. Throughput: --concurrent requests of --tp-context tokens with --tp-tokens new tokens each, sent
 together. Look at: speedup_vs_full of kvpos at 4096 (target >= 10x), accuracy_ratio (target >= 0.95).
 Real questions (SQuAD / HotpotQA, bench/vllm_qa.py): `--data squad|hotpotqa --n 100 --records R.jsonl --json X.json`.
+The kvpos attention backend (integrations/vllm/attention.py): `--attention` measures TTFT under vLLM's own attention
+and under the backend (each engine in its own process, one after the other), adds `kvpos_parallel` (the parallel
+layout from the memory tier) and gives every speedup against vLLM's own full prefill.
 """
 from __future__ import annotations
 
@@ -43,12 +46,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTION = "Based on the passages above, what is the most important lesson for people who start something new?"
 
 
-def _engine(model: str, store: str, max_len: int, seqs: int, **kw):
+def _engine(model: str, store: str, max_len: int, seqs: int, attention: bool = False, **kw):
     from vllm import LLM
 
     from kvpos.integrations.vllm.engine import engine_kwargs
 
-    return LLM(**engine_kwargs(model, store), dtype="float32", enforce_eager=True, max_model_len=max_len,
+    return LLM(**engine_kwargs(model, store, attention=attention), dtype="float32", enforce_eager=True, max_model_len=max_len,
                max_num_batched_tokens=max_len, max_num_seqs=seqs, enable_prefix_caching=True, seed=0, **kw)
 
 
@@ -93,8 +96,9 @@ def _fit(rb, tok, max_tokens: int, per: int, seed: int) -> list[str]:
     return ps
 
 
-def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> list[dict]:
-    """TTFT of the three methods at ~ctx prompt tokens, passages in a new order each rep."""
+def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar, attention: bool = False) -> list[dict]:
+    """TTFT of the methods at ~ctx prompt tokens, passages in a new order each rep; with the kvpos attention backend
+    also the parallel layout from the memory tier (kvpos_parallel)."""
     from kvpos.integrations.vllm.engine import precompute
 
     ps = _fit(rb, tok, ctx - 8, per, seed)
@@ -104,6 +108,8 @@ def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> li
     llm.generate([_prompt(stored_prompt, f"pc{ctx}")], [_sp(1, None)], use_tqdm=False)   # warm the prefix cache
     rng = random.Random(seed)
     times: dict[str, list[float]] = {"full": [], "prefix_caching": [], "kvpos": [], "kvpos_redis": []}
+    if attention:
+        times["kvpos_parallel"] = []
     loaded, tokens, agree = [], 0, []
     for rep in range(reps):
         order = list(range(n))
@@ -117,6 +123,10 @@ def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> li
         t_kr, o_kr = _timed(llm, [_prompt(prompt, f"kr{ctx}-{rep}", True)], [_sp(1, _kvpos_params(params, False))])
         for k, t in (("full", t_full), ("prefix_caching", t_pc), ("kvpos", t_kv), ("kvpos_redis", t_kr)):
             times[k].append(t)
+        if attention:
+            pp, pparams = rb.request([ps[i] for i in order], QUESTION, layout="parallel")
+            times["kvpos_parallel"].append(_timed(llm, [_prompt(pp, f"kp{ctx}-{rep}", True)],
+                                                  [_sp(1, _kvpos_params(pparams))])[0])
         loaded.append(min(_report(o_kv[0]).get("loaded_tokens", 0), _report(o_kr[0]).get("loaded_tokens", 0)))
         agree.append(o_full[0].outputs[0].token_ids[0] == o_kv[0].outputs[0].token_ids[0]
                      == o_kr[0].outputs[0].token_ids[0])
@@ -130,6 +140,35 @@ def ttft_rows(llm, rb, tok, ctx: int, per: int, reps: int, seed: int, bar) -> li
         if method.startswith("kvpos"):
             row |= {"loaded_tokens": min(loaded), "first_token_agreement": sum(agree) / len(agree)}
         rows.append(row)
+    return rows
+
+
+def memory_rows(llm, rb, tok, ctx: int, n: int, seed: int, attention: bool) -> list[dict]:
+    """KV blocks held by n requests sent together over the same n stored passages in n different orders (memory
+    tier), against the blocks of one request: the union of the block ids the engine gave them (each request's
+    kvpos report lists its blocks; requests alive together cannot share a block unless vLLM's prefix cache shares
+    it). With the kvpos attention backend also for the parallel layout."""
+    from kvpos.integrations.vllm.engine import precompute
+
+    ps = _fit(rb, tok, ctx - 24, (ctx - 24) // n, seed)[:n]
+    precompute(llm, rb, ps, progress=False)
+    rng = random.Random(seed)
+    orders = [list(range(n))] + [rng.sample(range(n), n) for _ in range(n - 1)]
+    rows = []
+    for layout in ("sequential", "parallel") if attention else ("sequential",):
+        reqs = [rb.request([ps[i] for i in o], QUESTION, layout=layout) for o in orders]
+        prompts = [_prompt(p, f"mem-{layout}-{seed}-{i}", True) for i, (p, _) in enumerate(reqs)]
+        outs = llm.generate(prompts, [_sp(1, _kvpos_params(q)) for _, q in reqs], use_tqdm=False)
+        blocks = [set(_report(o).get("kv_blocks", [])) for o in outs]
+        if not all(blocks):
+            raise RuntimeError(f"memory rows: a request's report has no kv_blocks: {[_report(o) for o in outs]}")
+        one = statistics.mean(len(b) for b in blocks)
+        held = len(set().union(*blocks))
+        rows.append({"layout": layout, "requests": n, "passages": n,
+                     "prompt_tokens": len(reqs[0][0]["prompt_token_ids"]),
+                     "loaded_tokens_min": min(_report(o).get("loaded_tokens", 0) for o in outs),
+                     "blocks_one_request": one, "blocks_held": held, "held_vs_one": held / one,
+                     "shared_blocks": sum(len(b) for b in blocks) - held})
     return rows
 
 
@@ -210,6 +249,12 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--store", default=None, help="redis://host:port/db (default: a private redis-server)")
     ap.add_argument("--seed", type=int, default=None, help="default 1; with --data 0 (the items bench/rag_eval.py runs)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--attention", action="store_true",
+                    help="TTFT only, twice: vLLM's own attention and the kvpos attention backend (each engine in its "
+                         "own process), speedups against vLLM's own full prefill")
+    ap.add_argument("--engine", choices=["stock", "kvpos"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-context", type=int, default=4096,
+                    help="with --attention: prompt tokens of the 8 concurrent requests of the KV memory rows")
     qa = ap.add_argument_group("real questions (instead of the TTFT / needle / throughput runs)")
     qa.add_argument("--data", choices=["squad", "squad-hard", "hotpotqa"], default=None)
     qa.add_argument("--n", type=int, default=100, help="questions (a fixed seeded sample of the split)")
@@ -243,12 +288,16 @@ def run(a: argparse.Namespace, store: str) -> dict:
     from kvpos.integrations.vllm.requests import RequestBuilder
 
     tok = AutoTokenizer.from_pretrained(a.model)
-    llm = _engine(a.model, store, max(a.contexts + [a.tp_context, 2048]), max(8, a.concurrent))
+    kv = a.engine == "kvpos"
+    llm = _engine(a.model, store, max(a.contexts + [a.tp_context, 2048]), max(8, a.concurrent), attention=kv)
     rb = RequestBuilder(tok)
     rows = []
-    with tqdm(total=len(a.contexts) * a.reps, desc="TTFT (vLLM)", file=sys.stdout) as bar:
+    with tqdm(total=len(a.contexts) * a.reps, desc=f"TTFT (vLLM, {a.engine or 'stock'} attention)",
+              file=sys.stdout) as bar:
         for ctx in a.contexts:
-            rows += ttft_rows(llm, rb, tok, ctx, a.passage_tokens, a.reps, a.seed + ctx, bar)
+            rows += ttft_rows(llm, rb, tok, ctx, a.passage_tokens, a.reps, a.seed + ctx, bar, attention=kv)
+    if a.engine:
+        return {"rows": rows, "memory": memory_rows(llm, rb, tok, a.memory_context, 8, a.seed + 11, kv)}
     acc = accuracy(llm, rb, tok, a.acc_n, a.seed, a.acc_tokens) if a.acc_n else None
     tp = throughput(llm, rb, tok, a.tp_context, a.passage_tokens, a.concurrent, a.tp_tokens, a.seed + 7)
     return {"rows": rows, "accuracy": acc, "throughput": tp, "args": vars(a), "machine": machine(),
@@ -276,7 +325,46 @@ def run_qa(a: argparse.Namespace, store: str) -> dict:
     return {"rows": vllm_qa.run_items(llm, rb, tok, items, a.max_new, a.records, a.prefix_every, meta)}
 
 
+def run_attention(a: argparse.Namespace, argv: list[str]) -> dict:
+    """TTFT under vLLM's own attention and under the kvpos backend, each engine in its own process (the backend
+    replaces CPU_ATTN process-wide), one after the other on the same machine; speedups against vLLM's own full
+    prefill at the same context."""
+    import json
+    import subprocess
+
+    from kvpos.integrations.vllm.plugin import ENV
+
+    rows, memory = [], []
+    with tempfile.TemporaryDirectory(prefix="kvpos-bench-attn-") as d:
+        for engine in ("stock", "kvpos"):
+            out = os.path.join(d, f"{engine}.json")
+            args = [x for x in argv if x != "--attention"]
+            if "--json" in args:
+                i = args.index("--json")
+                del args[i:i + 2]
+            env = {**os.environ, ENV: "1" if engine == "kvpos" else "0"}
+            subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--engine", engine, "--json", out],
+                           check=True, env=env)
+            with open(out) as f:
+                got = json.load(f)
+            rows += [{**r, "attention": engine} for r in got["rows"]]
+            memory += [{**r, "attention": engine} for r in got["memory"]]
+    full = {r["context_tokens"]: r["ttft_s"] for r in rows if r["attention"] == "stock" and r["method"] == "full"}
+    for r in rows:
+        r["speedup_vs_full"] = full[r["context_tokens"]] / r["ttft_s"]
+    return {"rows": rows, "memory": memory, "args": vars(a), "machine": machine(),
+            "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}
+
+
 def _tables(res: dict) -> str:
+    if "throughput" not in res:
+        return "\n\n".join([
+            markdown_table(res["rows"], ["context_tokens", "attention", "method", "ttft_s", "speedup_vs_full",
+                                         "loaded_tokens", "first_token_agreement"],
+                           {"ttft_s": ".3f", "speedup_vs_full": ".2f", "first_token_agreement": ".2f"}),
+            markdown_table(res["memory"], ["attention", "layout", "requests", "prompt_tokens", "loaded_tokens_min",
+                                           "blocks_one_request", "blocks_held", "held_vs_one", "shared_blocks"],
+                           {"blocks_one_request": ".1f", "held_vs_one": ".2f"})])
     out = [markdown_table(res["rows"], ["context_tokens", "method", "ttft_s", "speedup_vs_full", "loaded_tokens",
                                         "first_token_agreement"],
                           {"ttft_s": ".3f", "speedup_vs_full": ".2f", "first_token_agreement": ".2f"})]
@@ -294,6 +382,10 @@ def _tables(res: dict) -> str:
 
 def main(argv=None) -> None:
     a = _args(argv)
+    if a.attention and not a.engine:
+        res = run_attention(a, list(sys.argv[1:] if argv is None else argv))
+        write_outputs(a.json, res, _tables(res))
+        return
     if a.report:
         import rag_qa
 
@@ -314,6 +406,9 @@ def main(argv=None) -> None:
             proc.terminate()
             proc.wait(10)
         tmp.cleanup()
+    if a.engine:
+        write_outputs(a.json, res, "")
+        return
     if a.data:
         import rag_qa
 

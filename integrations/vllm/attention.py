@@ -12,8 +12,8 @@ Writes (`do_kv_cache_update`): the model rotated the step's keys at vLLM's posit
 un-rotated there with the model's RoPE spec (kvpos.rope.unrotate) and written raw. Reads (`forward`): per batch
 row, the request's raw keys and values [H, s, D] are gathered through its block table, the keys rotated to the
 request's logical positions, the queries turned from vLLM's positions to their logical ones, and attention runs
-under the request's visibility (a torch path, float32 softmax; with APE, kvpos.ape.ape_attend over the passages). A row without a kvpos layout has logical = vLLM
-positions and a causal mask: vLLM's own attention, up to rounding.
+under the request's visibility (torch's fused CPU attention; with APE, kvpos.ape.ape_attend over the passages). A
+row without a kvpos layout has logical = vLLM positions and a causal mask: vLLM's own attention, up to rounding.
 
 A request's layout reaches the worker through the kvpos connector's step metadata (scheduler.RowLayout); its batch
 row is the one whose last scheduled token is written to a block the request holds (a block being written belongs to
@@ -72,15 +72,14 @@ class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
 
 @dataclass
 class RowView:
-    """One batch row: query tokens [q0, q1) of the step, s tokens of the request so far, the (block, offset) of each
-    [s], and, for a kvpos layout, logical positions [s] int64 and visibility of the row's queries [q, s] bool
+    """One batch row: query tokens [q0, q1) of the step, s tokens of the request so far, the blocks holding them in
+    order ([ceil(s / block size)] int64), and, for a kvpos layout, logical positions [s] int64 and visibility of the row's queries [q, s] bool
     (None: vLLM's positions, causal); with APE its (temperature, scale) and which tokens are passages [s] bool."""
 
     q0: int
     q1: int
     s: int
-    blocks: torch.Tensor
-    offs: torch.Tensor
+    block_ids: torch.Tensor
     logical: torch.Tensor | None = None
     allowed: torch.Tensor | None = None
     ape: tuple[float, float] | None = None
@@ -110,8 +109,7 @@ def row_views(meta: KvposAttentionMetadata, block_size: int, rows: list) -> list
         if q1 <= q0:
             continue
         t = torch.arange(s)
-        bt = meta.block_table[i]
-        v = RowView(q0, q1, s, bt[t // block_size].to(torch.long), t % block_size)
+        v = RowView(q0, q1, s, meta.block_table[i][:-(-s // block_size)].to(torch.long))
         last = int(meta.slot_mapping[q1 - 1]) // block_size
         r = by_block.get(last)
         if r is not None:
@@ -191,7 +189,7 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
     def _row(self, q: torch.Tensor, kv_cache: torch.Tensor, vpos: torch.Tensor, v: RowView, spec: Any
              ) -> torch.Tensor:
         """Attention of one row's queries q [q, Hq, D] (rotated at vLLM positions vpos [q]) -> [q, Hq, D]."""
-        raw, val = self.paged.gather(kv_cache, v.blocks, v.offs)                # [H, s, D]
+        raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)         # [H, s, D]
         n = q.shape[0]
         qh = q.transpose(0, 1)[None]                                            # [1, Hq, q, D]
         if v.logical is None:
@@ -199,20 +197,26 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
         else:
             kpos, mask = v.logical, v.allowed
             qh = rotate(unrotate(qh, vpos, spec), kpos[v.s - n:], spec)
-        k = rotate(raw[None], kpos, spec)[0]                                    # [H, s, D]
+        k = rotate(raw[None], kpos, spec)                                       # [1, H, s, D]
         if v.ape is not None:                                                   # APE over the passages
-            out = ape_attend(qh, k[None], val[None], mask[None, None], v.is_ctx[None], self.scale, v.ape[0],
+            out = ape_attend(qh, k, val[None], mask[None, None], v.is_ctx[None], self.scale, v.ape[0],
                              v.ape[1], q_is_ctx=v.is_ctx[v.s - n:][None])       # [1, Hq, q, D]
             return out[0].transpose(0, 1).to(q.dtype)
-        G = self.num_queries_per_kv
-        k = k.repeat_interleave(G, dim=0).float()
-        val = val.repeat_interleave(G, dim=0).float()
-        scores = qh[0].float() @ k.transpose(1, 2) * self.scale                 # [Hq, q, s]
-        if mask is None:
-            mask = torch.ones(n, v.s, dtype=torch.bool).tril(v.s - n)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ val                               # [Hq, q, D]
-        return out.transpose(0, 1).to(q.dtype)
+        return _attend(qh, k, val[None], mask, self.scale).transpose(0, 1).to(q.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float
+            ) -> torch.Tensor:
+    """Grouped-query attention of q [1, Hq, n, D] over k, v [1, H, s, D] -> [Hq, n, D] (torch's fused CPU kernel);
+    allowed [n, s] bool, or None: causal with the n queries last (query i sees keys up to s - n + i)."""
+    n, s = q.shape[2], k.shape[2]
+    if allowed is None and n == s:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0]
+    if allowed is None:
+        allowed = torch.ones(n, s, dtype=torch.bool).tril(s - n)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                                            enable_gqa=True)[0]
 
 
 class KvposAttentionBackend(CPUAttentionBackend):

@@ -64,3 +64,38 @@ class PagedLayout:
         k = flat[blocks[:, None], :, kmap[offs]].permute(2, 0, 1)
         v = flat[blocks[:, None], :, vmap[offs]].permute(2, 0, 1)
         return k, v
+
+    def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [H, s, D] of the first s tokens held in the blocks block_ids [n] int64 (in order, n *
+        block size >= s). Equals `gather` with blocks = block_ids[t // bs], offs = t % bs (the attention read):
+        where the element map is a strided view (vLLM's "vec" layout: keys [D, bs], values [bs, D]) the blocks are
+        read through that view, else through the map."""
+        nb, H, bs, d2 = kv.shape
+        if block_ids.numel() * bs < s:
+            fail("kvpos paged gather", f"at least {s} slots in the blocks", f"{block_ids.numel()} blocks of {bs}")
+        return tuple(_in_token_order(kv, m, block_ids, s) for m in self.element_maps(kv))
+
+
+def _strides(m: torch.Tensor) -> tuple[int, int, int] | None:
+    """(offset, stride of o, stride of d) when the element map m [bs, D] is affine, else None."""
+    bs, D = m.shape
+    base = int(m[0, 0])
+    so = int(m[1, 0]) - base if bs > 1 else 0
+    sd = int(m[0, 1]) - base if D > 1 else 0
+    want = base + torch.arange(bs)[:, None] * so + torch.arange(D)[None] * sd
+    return (base, so, sd) if torch.equal(m, want) else None
+
+
+def _in_token_order(kv: torch.Tensor, m: torch.Tensor, block_ids: torch.Tensor, s: int) -> torch.Tensor:
+    """The elements of map m [bs, D] of blocks block_ids [n], as [H, s, D] in token order."""
+    nb, H, bs, d2 = kv.shape
+    D, n = d2 // 2, block_ids.numel()
+    flat = kv.view(nb, H, bs * d2)
+    st = _strides(m)
+    if st is None:
+        x = flat.index_select(0, block_ids).index_select(2, m.reshape(-1)).view(n, H, bs, D)
+    else:
+        base, so, sd = st
+        view = flat.as_strided((nb, H, bs, D), (H * bs * d2, bs * d2, so, sd), flat.storage_offset() + base)
+        x = view.index_select(0, block_ids)
+    return x.permute(1, 0, 2, 3).reshape(H, n * bs, D)[:, :s]

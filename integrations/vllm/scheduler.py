@@ -110,7 +110,8 @@ class Plan:
         ok = [k for k in done if self.outcomes[k] is None]
         out = {"loaded_tokens": sum(hi - lo for _, lo, hi in ok), "local_tokens": self.local,
                "loaded_segments": len({i for i, _, _ in ok}), "segments": len(self.segments) or self.n_given,
-               "claimed_tokens": max(0, self.load_end - self.local)}
+               "claimed_tokens": max(0, self.load_end - self.local),
+               "kv_blocks": list(self.block_ids)}     # the engine's KV blocks the request held (memory accounting)
         failed = [f"segment {i} tokens [{lo}, {hi}): {self.outcomes[(i, lo, hi)]}" for i, lo, hi in done
                   if self.outcomes[(i, lo, hi)] is not None]
         if failed:

@@ -133,3 +133,46 @@ def test_engine_kwargs_refuse_attention_without_the_plugin_switch():
         engine_kwargs(MODEL, "redis://127.0.0.1:1/0", attention=True)
     with pytest.raises(TypeError, match="attention"):
         engine_kwargs(MODEL, "redis://127.0.0.1:1/0", attention="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_block_gather_returns_the_written_keys_and_values_in_token_order(dtype):
+    """PagedLayout.gather_blocks (the attention read) against what was written through vLLM's own cache op, and
+    against the per-element gather, for a request whose blocks are scattered and whose last block is partial."""
+    from kvpos.integrations.vllm.paged import PagedLayout
+
+    g = torch.Generator().manual_seed(0)
+    nb, H, bs, D, s = 12, 3, 16, 64, 70
+    kv = torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
+    block_ids = torch.tensor([7, 2, 11, 0, 5])
+    t = torch.arange(s)
+    k = torch.randn(s, H, D, generator=g).to(dtype)
+    v = torch.randn(s, H, D, generator=g).to(dtype)
+    paged = PagedLayout(dtype)
+    paged.write(kv, k, v, block_ids[t // bs] * bs + t % bs)
+    gk, gv = paged.gather_blocks(kv, block_ids, s)
+    assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
+    ek, ev = paged.gather(kv, block_ids[t // bs], t % bs)
+    assert torch.equal(gk, ek) and torch.equal(gv, ev)
+    with pytest.raises(ValueError, match="slots"):
+        paged.gather_blocks(kv, block_ids[:2], s)
+
+
+@pytest.mark.parametrize("kind", ["strided", "permuted"])
+def test_paged_token_order_read_follows_any_element_map(kind):
+    """The block read behind gather_blocks, on a strided element map (the view path) and on a permuted one (the
+    index path), against reading each element through the map one by one."""
+    from kvpos.integrations.vllm.paged import _in_token_order
+
+    g = torch.Generator().manual_seed(1)
+    nb, H, bs, D, s = 6, 2, 4, 8, 13
+    kv = torch.randn(nb, H, bs, 2 * D, generator=g)
+    if kind == "strided":
+        m = torch.arange(D)[None] * bs + torch.arange(bs)[:, None]
+    else:
+        m = torch.randperm(bs * 2 * D, generator=g)[: bs * D].view(bs, D)
+    block_ids = torch.tensor([4, 0, 5, 1])
+    got = _in_token_order(kv, m, block_ids, s)
+    flat = kv.view(nb, H, bs * 2 * D)
+    want = torch.stack([torch.stack([flat[block_ids[t // bs], h, m[t % bs]] for t in range(s)]) for h in range(H)])
+    assert got.shape == (H, s, D) and torch.equal(got, want)
