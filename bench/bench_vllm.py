@@ -176,28 +176,48 @@ def _correct(text: str, answer: str) -> bool:
     return answer in text
 
 
-def accuracy(llm, rb, tok, n: int, seed: int, new_tokens: int) -> dict:
-    """Needle questions through the engine: full prefill vs passages loaded by kvpos (each stored alone)."""
+def accuracy(llm, rb, tok, n: int, seed: int, new_tokens: int, attention: bool = False) -> dict:
+    """Needle questions through the engine: full prefill vs passages loaded by kvpos (each stored alone); with the
+    kvpos attention backend also the parallel layout and APE (parallel, kvpos.ape's default temperature and scale)."""
     from tqdm import tqdm
 
+    from kvpos.ape import DEFAULT_SCALE, DEFAULT_TEMPERATURE
     from kvpos.data import needle_items
     from kvpos.integrations.vllm.engine import precompute
 
+    layouts = {"kvpos": ("sequential", None)}
+    if attention:
+        layouts |= {"kvpos_parallel": ("parallel", None),
+                    "kvpos_ape": ("parallel", (DEFAULT_TEMPERATURE, DEFAULT_SCALE))}
     items = needle_items(tok, n=n, seed=seed)
     precompute(llm, rb, [p for it in items for p in it["passages"]], desc="precompute needle passages")
-    hits = {"full": 0, "kvpos": 0}
+    hits = {"full": 0} | {m: 0 for m in layouts}
+    agree = {m: 0 for m in layouts}
     loaded = []
     for k, it in enumerate(tqdm(items, desc="accuracy (needle, vLLM)", file=sys.stdout)):
-        prompt, params = rb.request(it["passages"], it["question"])
-        outs = llm.generate([_prompt(prompt, f"accf{k}"), _prompt(prompt, f"acck{k}", True)],
-                            [_sp(new_tokens, None), _sp(new_tokens, _kvpos_params(params))], use_tqdm=False)
+        prompt, _ = rb.request(it["passages"], it["question"])
+        prompts, sps = [_prompt(prompt, f"accf{k}")], [_sp(new_tokens, None)]
+        for m, (layout, ape) in layouts.items():
+            p, params = rb.request(it["passages"], it["question"], layout=layout, ape=ape)
+            prompts.append(_prompt(p, f"acc-{m}-{k}", True))
+            sps.append(_sp(new_tokens, _kvpos_params(params)))
+        outs = llm.generate(prompts, sps, use_tqdm=False)
         hits["full"] += _correct(outs[0].outputs[0].text, it["answer"])
-        hits["kvpos"] += _correct(outs[1].outputs[0].text, it["answer"])
+        for m, o in zip(layouts, outs[1:]):
+            hits[m] += _correct(o.outputs[0].text, it["answer"])
+            agree[m] += o.outputs[0].token_ids[0] == outs[0].outputs[0].token_ids[0]
         loaded.append(_report(outs[1]).get("loaded_segments", 0) / (len(it["passages"]) + 1))
-    full, kv = hits["full"] / len(items), hits["kvpos"] / len(items)
-    return {"items": len(items), "accuracy_full": full, "accuracy_kvpos": kv,
-            "accuracy_ratio": kv / full if full else float("nan"), "mean_loaded_segment_fraction":
-            statistics.mean(loaded), "seed": seed}
+    full = hits["full"] / len(items)
+    out = {"items": len(items), "accuracy_full": full, "mean_loaded_segment_fraction": statistics.mean(loaded),
+           "seed": seed}
+    for m in layouts:
+        out[f"accuracy_{m}"] = hits[m] / len(items)
+        out[f"accuracy_ratio_{m}" if m != "kvpos" else "accuracy_ratio"] = hits[m] / len(items) / full if full \
+            else float("nan")
+        out[f"first_token_agreement_{m}"] = agree[m] / len(items)
+    if attention:
+        out["ape"] = {"temperature": DEFAULT_TEMPERATURE, "scale": DEFAULT_SCALE}
+    return out
 
 
 def throughput(llm, rb, tok, ctx: int, per: int, concurrent: int, new_tokens: int, seed: int) -> list[dict]:
@@ -238,7 +258,7 @@ def _plot(path: str, rows: list[dict]) -> None:
 def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.path.join(ROOT, ".venv-vllm", "smollm2-fp32"))
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[2048, 4096, 8192])
     ap.add_argument("--passage-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--acc-n", type=int, default=40, help="needle questions (0: skip accuracy)")
@@ -254,7 +274,12 @@ def _args(argv=None) -> argparse.Namespace:
                          "own process), speedups against vLLM's own full prefill")
     ap.add_argument("--engine", choices=["stock", "kvpos"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory-context", type=int, default=4096,
-                    help="with --attention: prompt tokens of the 8 concurrent requests of the KV memory rows")
+                    help="with --attention: prompt tokens of the 8 concurrent requests of the KV memory rows (0: skip)")
+    ap.add_argument("--engine-accuracy", action="store_true",
+                    help="with --attention: also the needle accuracy (--acc-n) of each engine (the kvpos backend adds "
+                         "the parallel layout and APE)")
+    ap.add_argument("--engine-throughput", action="store_true",
+                    help="with --attention: also the throughput rows (--concurrent, --tp-context, --tp-tokens)")
     qa = ap.add_argument_group("real questions (instead of the TTFT / needle / throughput runs)")
     qa.add_argument("--data", choices=["squad", "squad-hard", "hotpotqa"], default=None)
     qa.add_argument("--n", type=int, default=100, help="questions (a fixed seeded sample of the split)")
@@ -297,7 +322,11 @@ def run(a: argparse.Namespace, store: str) -> dict:
         for ctx in a.contexts:
             rows += ttft_rows(llm, rb, tok, ctx, a.passage_tokens, a.reps, a.seed + ctx, bar, attention=kv)
     if a.engine:
-        return {"rows": rows, "memory": memory_rows(llm, rb, tok, a.memory_context, 8, a.seed + 11, kv)}
+        mem = memory_rows(llm, rb, tok, a.memory_context, 8, a.seed + 11, kv) if a.memory_context else []
+        acc = accuracy(llm, rb, tok, a.acc_n, a.seed, a.acc_tokens, attention=kv) if a.engine_accuracy else None
+        tp = throughput(llm, rb, tok, a.tp_context, a.passage_tokens, a.concurrent, a.tp_tokens, a.seed + 7) \
+            if a.engine_throughput else []
+        return {"rows": rows, "memory": mem, "accuracy": acc, "throughput": tp}
     acc = accuracy(llm, rb, tok, a.acc_n, a.seed, a.acc_tokens) if a.acc_n else None
     tp = throughput(llm, rb, tok, a.tp_context, a.passage_tokens, a.concurrent, a.tp_tokens, a.seed + 7)
     return {"rows": rows, "accuracy": acc, "throughput": tp, "args": vars(a), "machine": machine(),
@@ -334,7 +363,7 @@ def run_attention(a: argparse.Namespace, argv: list[str]) -> dict:
 
     from kvpos.integrations.vllm.plugin import ENV
 
-    rows, memory = [], []
+    rows, memory, tp, acc = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="kvpos-bench-attn-") as d:
         for engine in ("stock", "kvpos"):
             out = os.path.join(d, f"{engine}.json")
@@ -349,22 +378,46 @@ def run_attention(a: argparse.Namespace, argv: list[str]) -> dict:
                 got = json.load(f)
             rows += [{**r, "attention": engine} for r in got["rows"]]
             memory += [{**r, "attention": engine} for r in got["memory"]]
+            tp += [{**r, "attention": engine} for r in got.get("throughput", [])]
+            if got.get("accuracy"):
+                acc.append({**got["accuracy"], "attention": engine})
     full = {r["context_tokens"]: r["ttft_s"] for r in rows if r["attention"] == "stock" and r["method"] == "full"}
     for r in rows:
         r["speedup_vs_full"] = full[r["context_tokens"]] / r["ttft_s"]
-    return {"rows": rows, "memory": memory, "args": vars(a), "machine": machine(),
+    full_tp = {r["attention"]: r["requests_per_s"] for r in tp if r["method"] == "full"}
+    for r in tp:
+        r["ratio_vs_full"] = r["requests_per_s"] / full_tp["stock"]
+    return {"rows": rows, "memory": memory, "throughput": tp, "accuracy": acc, "args": vars(a), "machine": machine(),
             "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}
 
 
+def _attention_tables(res: dict) -> str:
+    out = []
+    if res["rows"]:
+        out.append(markdown_table(res["rows"], ["context_tokens", "attention", "method", "ttft_s", "speedup_vs_full",
+                                                "loaded_tokens", "first_token_agreement"],
+                                  {"ttft_s": ".3f", "speedup_vs_full": ".2f", "first_token_agreement": ".2f"}))
+    if res["memory"]:
+        out.append(markdown_table(res["memory"], ["attention", "layout", "requests", "prompt_tokens",
+                                                  "loaded_tokens_min", "blocks_one_request", "blocks_held",
+                                                  "held_vs_one", "shared_blocks"],
+                                  {"blocks_one_request": ".1f", "held_vs_one": ".2f"}))
+    for acc in res.get("accuracy") or []:
+        cols = [k for k in acc if k.startswith(("items", "accuracy", "first_token"))]
+        out.append(f"needle accuracy, {acc['attention']} attention:\n\n"
+                   + markdown_table([acc], cols, {k: ".3f" for k in cols if k != "items"}))
+    if res.get("throughput"):
+        out.append(markdown_table(res["throughput"], ["attention", "method", "concurrent", "context_tokens",
+                                                      "new_tokens_each", "wall_s", "requests_per_s",
+                                                      "output_tokens_per_s", "ratio_vs_full"],
+                                  {"wall_s": ".2f", "requests_per_s": ".3f", "output_tokens_per_s": ".2f",
+                                   "ratio_vs_full": ".2f"}))
+    return "\n\n".join(out)
+
+
 def _tables(res: dict) -> str:
-    if "throughput" not in res:
-        return "\n\n".join([
-            markdown_table(res["rows"], ["context_tokens", "attention", "method", "ttft_s", "speedup_vs_full",
-                                         "loaded_tokens", "first_token_agreement"],
-                           {"ttft_s": ".3f", "speedup_vs_full": ".2f", "first_token_agreement": ".2f"}),
-            markdown_table(res["memory"], ["attention", "layout", "requests", "prompt_tokens", "loaded_tokens_min",
-                                           "blocks_one_request", "blocks_held", "held_vs_one", "shared_blocks"],
-                           {"blocks_one_request": ".1f", "held_vs_one": ".2f"})])
+    if "memory" in res:
+        return _attention_tables(res)
     out = [markdown_table(res["rows"], ["context_tokens", "method", "ttft_s", "speedup_vs_full", "loaded_tokens",
                                         "first_token_agreement"],
                           {"ttft_s": ".3f", "speedup_vs_full": ".2f", "first_token_agreement": ".2f"})]
