@@ -19,7 +19,7 @@ import torch
 
 from kvpos._checks import check_fraction, check_int, fail
 from kvpos.cache import PositionedKV
-from kvpos.integrations.hf import AttentionCall, Binding, additive_mask, bind_attention, extend
+from kvpos.integrations.hf import AttentionCall, Binding, additive_mask, bind_attention, extend, layer_masks
 from kvpos.integrations.hf.run import cache_kwarg, decoder_parts, run_decoder_layers, takes_logits_to_keep
 
 __all__ = ["recompute_slots", "blend_recompute", "AttentionMassProbe", "attention_mass_of", "layer_attention_mass",
@@ -35,6 +35,7 @@ def recompute_slots(model: torch.nn.Module, cache: PositionedKV, slots: torch.Te
     if slots.numel() == 0:
         return 0
     mask = additive_mask(allowed[:, :cache.num_slots], next(model.parameters()).dtype)[None, None]
+    mask = layer_masks(model, mask, slots)
     pos = cache.positions[:, slots]
     no_head = {"logits_to_keep": 1} if takes_logits_to_keep(model.forward) else {}   # the update needs no logits
     with cache.overwriting(slots):
@@ -168,6 +169,7 @@ def chunks_read_most(model: torch.nn.Module, cache: PositionedKV, chunk_slots: "
     return sorted(torch.topk(per, m).indices.tolist())
 
 
+@torch.no_grad()
 def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, ids: torch.Tensor) -> torch.Tensor:
     """How much the last `n_probe` tokens of the document read each earlier slot: their attention probabilities
     (causal, over the cache's first N - n_probe slots), averaged over layers, query heads and the probe rows.
@@ -180,7 +182,8 @@ def attention_mass(model: torch.nn.Module, cache: PositionedKV, n_probe: int, id
     c = cache.copy()
     c.keep_(torch.arange(N - q))
     allowed = torch.arange(N)[None] <= torch.arange(N - q, N)[:, None]                 # [q, N] causal
-    mask = additive_mask(allowed, next(model.parameters()).dtype)[None, None]
+    mask = layer_masks(model, additive_mask(allowed, next(model.parameters()).dtype)[None, None],
+                       torch.arange(N - q, N))
     probe = AttentionMassProbe(N - q)
     with bind_attention(model, probe):
         model(input_ids=ids[None, N - q:], position_ids=cache.positions[:, N - q:], attention_mask=mask,

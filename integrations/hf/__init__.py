@@ -23,7 +23,7 @@ _EXPORTS = (
     ("pytree", ("register_pytree",)),
     ("margins", ("MarginWatch",)),
     ("models", ("DEFAULT_MODEL_NAME", "default_model_path", "gemma3_path", "load_default_model", "load_model")),
-    ("run", ("additive_mask", "extend", "forward_reference", "generate")),
+    ("run", ("additive_mask", "extend", "forward_reference", "generate", "layer_masks")),
     ("specs", ("rope_specs_from_model", "rope_specs_from_config", "rotary_modules")),
 )
 __all__ = [name for _, names in _EXPORTS for name in names]

@@ -24,7 +24,7 @@ from kvpos.cache import PositionedKV
 
 from .attention import AttentionBackend, bind_attention
 
-__all__ = ["extend", "generate", "forward_reference", "additive_mask", "decoder_parts", "run_decoder_layers",
+__all__ = ["extend", "generate", "forward_reference", "additive_mask", "layer_masks", "decoder_parts", "run_decoder_layers",
            "cache_kwarg", "check_vocab"]
 
 
@@ -100,6 +100,31 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def layer_masks(model: torch.nn.Module, mask: torch.Tensor, q_slots: torch.Tensor) -> Any:
+    """The custom 4-D additive mask [B, 1, S, T] of a forward whose queries sit at cache slots q_slots [S], as the
+    model needs it: transformers hands a 4-D mask unchanged to every layer, so on a model with sliding-window layers
+    it would let those layers see past their window. Full-attention models get `mask`; models whose config lists
+    sliding layers (`layer_types`, e.g. Gemma 3) get {layer type: mask}, the sliding ones also hiding keys at slot
+    <= q_slot - sliding_window (transformers' own window); models with a window and no layer types (Mistral) get
+    the windowed mask. Chunked attention is refused."""
+    if mask.dim() != 4 or mask.shape[-2] != q_slots.numel():
+        fail("layer_masks mask", f"a 4-D [B, 1, {q_slots.numel()}, T] mask (one row per query slot)",
+             list(mask.shape))
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    types = set(getattr(cfg, "layer_types", None) or ())
+    if "chunked_attention" in types:
+        fail("custom attention mask", "full or sliding-window attention layers", "chunked_attention layers")
+    sliding = "sliding_attention" in types or (not types and window is not None)
+    if not sliding or window is None:
+        return mask
+    far = torch.arange(mask.shape[-1])[None] <= q_slots.reshape(-1, 1) - int(window)      # [S, T]
+    windowed = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+    if not types:
+        return windowed
+    return {t: windowed if t == "sliding_attention" else mask for t in types}
+
+
 @torch.no_grad()
 def extend(model: torch.nn.Module, cache: PositionedKV, ids: torch.Tensor, positions: Any = None,
            segment: int = 0, attention_mask: torch.Tensor | None = None,
@@ -126,7 +151,7 @@ def extend(model: torch.nn.Module, cache: PositionedKV, ids: torch.Tensor, posit
         if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, want[0]) or \
                 tuple(attention_mask.shape[1:]) != want[1:]:
             fail("extend attention_mask", f"a 4-D [B|1, 1, S, T+S] = {list(want)} mask", list(attention_mask.shape))
-        mask = additive_mask(attention_mask, model.dtype)
+        mask = layer_masks(model, additive_mask(attention_mask, model.dtype), torch.arange(T, T + ids.shape[1]))
     with cache.appending(), _scope(model, attention, cache):
         out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                     **{cache_kwarg(model.forward): cache}, **logits_kwargs(model.forward, last_logits))
@@ -169,8 +194,8 @@ def forward_reference(model: torch.nn.Module, ids: torch.Tensor, position_ids: t
                       allowed: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V] of ONE model forward over ids [B, S] with explicit position_ids [B, S] and a 4-D mask
     allowed [B, 1, S, S] (True = may attend). No cache involved: the ground truth for every exactness test."""
-    return model(input_ids=ids, position_ids=position_ids, attention_mask=additive_mask(allowed, model.dtype),
-                 use_cache=False).logits
+    mask = layer_masks(model, additive_mask(allowed, model.dtype), torch.arange(ids.shape[1]))
+    return model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
 
 
 def decoder_parts(model: torch.nn.Module, what: str) -> tuple[Any, Any, Any]:
