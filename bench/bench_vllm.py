@@ -51,7 +51,8 @@ def _engine(model: str, store: str, max_len: int, seqs: int, attention: bool = F
 
     from kvpos.integrations.vllm.engine import engine_kwargs
 
-    return LLM(**engine_kwargs(model, store, attention=attention), dtype="float32", enforce_eager=True, max_model_len=max_len,
+    return LLM(**engine_kwargs(model, store, attention=attention), dtype="float32", enforce_eager=True,
+               max_model_len=max_len,
                max_num_batched_tokens=max_len, max_num_seqs=seqs, enable_prefix_caching=True, seed=0, **kw)
 
 

@@ -24,8 +24,8 @@ from kvpos.cache import PositionedKV
 
 from .attention import AttentionBackend, bind_attention
 
-__all__ = ["extend", "generate", "forward_reference", "additive_mask", "layer_masks", "decoder_parts", "run_decoder_layers",
-           "cache_kwarg", "check_vocab"]
+__all__ = ["extend", "generate", "forward_reference", "additive_mask", "layer_masks", "decoder_parts",
+           "run_decoder_layers", "cache_kwarg", "check_vocab"]
 
 
 def cache_kwarg(fn: Any) -> str:
