@@ -73,8 +73,9 @@ class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
 @dataclass
 class RowView:
     """One batch row: query tokens [q0, q1) of the step, s tokens of the request so far, the blocks holding them in
-    order ([ceil(s / block size)] int64), and, for a kvpos layout, logical positions [s] int64 and visibility of the row's queries [q, s] bool
-    (None: vLLM's positions, causal); with APE its (temperature, scale) and which tokens are passages [s] bool."""
+    order ([ceil(s / block size)] int64), and, for a kvpos layout, logical positions [s] int64 and visibility of the
+    row's queries [q, s] bool (None: vLLM's positions, causal); with APE its (temperature, scale) and which tokens
+    are passages [s] bool."""
 
     q0: int
     q1: int
