@@ -52,16 +52,27 @@ class LayoutPlan:
         s, e = self.slots[i]
         return torch.arange(self.starts[i], self.starts[i] + e - s)
 
-    def allowed(self, n_query: int = 0) -> torch.Tensor:
-        """[N, N] bool (N = anchor + chunks + n_query): what each slot of the composed layout may see.
+    def allowed(self, n_query: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, N] bool (N = anchor + chunks + n_query): what each slot of the composed layout may see; with rows
+        ([R] int64 slots in [0, N)) only those rows, [R, N] (what a step of R query slots needs, without the N x N
+        matrix).
 
         sequential: plain causal over slots (each chunk sees the anchor and every chunk before it), the full-prefill
         pattern. parallel: each chunk sees the anchor and itself (causal); the query sees everything."""
         N = self.num_slots + n_query
-        allowed = torch.tril(torch.ones(N, N, dtype=torch.bool))
-        if self.layout == "parallel":
+        if rows is None:
+            rows = torch.arange(N)
+        elif rows.dtype != torch.long or rows.dim() != 1 or (rows.numel() and not 0 <= int(rows.min()) <= int(
+                rows.max()) < N):
+            fail("allowed rows", f"a 1-D int64 tensor of slots in [0, {N})", f"{rows.dtype} {list(rows.shape)}")
+        cols = torch.arange(N)
+        allowed = cols[None] <= rows[:, None]
+        if self.layout == "parallel" and self.slots:
+            first = torch.full((N,), self.anchor_len)            # the first slot each row's chunk may not hide
             for s, e in self.slots:
-                allowed[s:e, self.anchor_len:s] = False
+                first[s:e] = s
+            hidden_to = first[rows]                              # row r sees no chunk slot in [anchor, first[r])
+            allowed &= ~((cols[None] >= self.anchor_len) & (cols[None] < hidden_to[:, None]))
         return allowed
 
     def link_slots(self, k: int) -> torch.Tensor:

@@ -146,3 +146,25 @@ def test_generate_after_compose_matches_reference_loop():
     out = generate(model, cache, q, max_new_tokens=6, do_sample=False)
     full = model.generate(torch.cat([anchor, *chunks, q[0]])[None], max_new_tokens=6, do_sample=False)
     assert out[0, 4:].tolist() == full[0, -6:].tolist()
+
+
+@pytest.mark.parametrize("layout", ["sequential", "parallel"])
+def test_plan_allowed_rows_equal_the_rows_of_the_loop_built_mask(layout):
+    """LayoutPlan.allowed(n, rows) (what the vLLM backend asks per step) against a mask built slot by slot from
+    the layout's definition: causal, and in the parallel layout no chunk slot sees another chunk."""
+    from kvpos.compose import plan_layout
+
+    plan = plan_layout(4, [3, 5, 2], layout)
+    n = 3
+    N = plan.num_slots + n
+    chunk_of = {t: i for i, (s, e) in enumerate(plan.slots) for t in range(s, e)}
+    want = torch.zeros(N, N, dtype=torch.bool)
+    for r in range(N):
+        for c in range(r + 1):
+            hidden = layout == "parallel" and r in chunk_of and c in chunk_of and chunk_of[c] != chunk_of[r]
+            want[r, c] = not hidden
+    assert torch.equal(plan.allowed(n), want)
+    rows = torch.tensor([0, 5, 8, 13, N - 1])
+    assert torch.equal(plan.allowed(n, rows), want[rows])
+    with pytest.raises(ValueError, match="allowed rows"):
+        plan.allowed(n, torch.tensor([N]))

@@ -10,10 +10,16 @@ heads · D head dim.
 
 Writes (`do_kv_cache_update`): the model rotated the step's keys at vLLM's positions (token indices); they are
 un-rotated there with the model's RoPE spec (kvpos.rope.unrotate) and written raw. Reads (`forward`): per batch
-row, the request's raw keys and values [H, s, D] are gathered through its block table, the keys rotated to the
-request's logical positions, the queries turned from vLLM's positions to their logical ones, and attention runs
-under the request's visibility (torch's fused CPU attention; with APE, kvpos.ape.ape_attend over the passages). A
-row without a kvpos layout has logical = vLLM positions and a causal mask: vLLM's own attention, up to rounding.
+row, the request's raw keys and values [H, s, D] are read through its block table and the keys rotated to the
+request's logical positions, the queries turned from vLLM's positions to their logical ones. Queries whose
+visibility is causal by token index (every sequential step, a parallel request's question and answer: almost every
+token) then run through vLLM's own CPU attention kernel over a per-step scratch cache that holds each row's rotated
+keys and values in a run of blocks (`_kernel_batch`; vLLM's kernel is faster than torch's fused attention on CPU:
+results/bench_vllm_attention.md). The rest (passage tokens computed in the parallel layout; every query with APE)
+attend in torch under the request's visibility, over the keys they may see (torch's fused CPU attention; with APE,
+kvpos.ape.ape_attend over the passages). A row without a kvpos layout has logical = vLLM positions and a causal
+mask: vLLM's own attention, up to rounding. The scratch costs one copy of the step's keys and values (freed after
+the step): the raw cache stays the only persistent copy.
 
 A request's layout reaches the worker through the kvpos connector's step metadata (scheduler.RowLayout); its batch
 row is the one whose last scheduled token is written to a block the request holds (a block being written belongs to
@@ -26,10 +32,11 @@ through another platform hook; this backend is written for and tested on the CPU
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+import vllm.envs as vllm_envs
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import AttentionType
@@ -54,6 +61,7 @@ class KvposAttentionMetadata(CPUAttentionMetadata):
 
     positions: torch.Tensor | None = None
     views: list | None = None
+    fused: Any = None
 
 
 class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -72,30 +80,36 @@ class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
 
 @dataclass
 class RowView:
-    """One batch row: query tokens [q0, q1) of the step, s tokens of the request so far, the blocks holding them in
-    order ([ceil(s / block size)] int64), and, for a kvpos layout, logical positions [s] int64 and visibility of the
-    row's queries [q, s] bool (None: vLLM's positions, causal); with APE its (temperature, scale) and which tokens
-    are passages [s] bool."""
+    """Batch row `row`: query tokens [q0, q1) of the step, s tokens of the request so far, the blocks holding them
+    in order ([ceil(s / block size)] int64), and, for a kvpos layout, logical positions [s] int64 and visibility of
+    the row's queries [q, s] bool (None: vLLM's positions, causal); `lead`: how many of its first queries attend in
+    torch (all with APE; else those up to the last whose visibility is not causal by token index, e.g. passage
+    tokens computed in the parallel layout), the rest through vLLM's kernel; with APE its (temperature, scale) and
+    which tokens are passages [s] bool."""
 
     q0: int
     q1: int
     s: int
     block_ids: torch.Tensor
+    row: int = 0
     logical: torch.Tensor | None = None
     allowed: torch.Tensor | None = None
+    lead: int = 0
     ape: tuple[float, float] | None = None
     is_ctx: torch.Tensor | None = None
 
 
-def _layout_positions(anchor_len: int, lengths: list[int], layout: str, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logical positions [s], visibility [s, s]) of the first s tokens of a request with this layout: the
-    anchor, the passages (kvpos.compose.plan_layout), then the question and generated tokens after them."""
+def _layout_positions(anchor_len: int, lengths: list[int], layout: str, s: int, n: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logical positions [s], visibility of the last n tokens [n, s]) of the first s tokens of a request with this
+    layout: the anchor, the passages (kvpos.compose.plan_layout), then the question and generated tokens after
+    them."""
     plan = plan_layout(anchor_len, lengths, layout)
     P = plan.num_slots
     pieces = [torch.arange(anchor_len)] + [plan.positions(i) for i in range(len(lengths))]
     tail = torch.arange(plan.next_position, plan.next_position + max(0, s - P))
     logical = torch.cat(pieces + [tail])[:s]
-    return logical, plan.allowed(max(0, s - P))[:s, :s]
+    return logical, plan.allowed(max(0, s - P), torch.arange(s - n, s))[:, :s]
 
 
 def row_views(meta: KvposAttentionMetadata, block_size: int, rows: list) -> list[RowView]:
@@ -110,15 +124,17 @@ def row_views(meta: KvposAttentionMetadata, block_size: int, rows: list) -> list
         if q1 <= q0:
             continue
         t = torch.arange(s)
-        v = RowView(q0, q1, s, meta.block_table[i][:-(-s // block_size)].to(torch.long))
+        v = RowView(q0, q1, s, meta.block_table[i][:-(-s // block_size)].to(torch.long), i)
         last = int(meta.slot_mapping[q1 - 1]) // block_size
         r = by_block.get(last)
         if r is not None:
-            logical, allowed = _layout_positions(r.anchor_len, r.lengths, r.layout, s)
-            v.logical, v.allowed = logical, allowed[s - (q1 - q0):]
+            v.logical, v.allowed = _layout_positions(r.anchor_len, r.lengths, r.layout, s, q1 - q0)
+            odd = (v.allowed != (t[None] <= t[s - (q1 - q0):, None])).any(1).nonzero()
+            v.lead = int(odd[-1]) + 1 if odd.numel() else 0
             if r.ape is not None:
                 v.ape = tuple(r.ape)
                 v.is_ctx = (t >= r.anchor_len) & (t < r.anchor_len + sum(r.lengths))
+                v.lead = q1 - q0
             used.add(r.req_id)
         views.append(v)
     missing = sorted({r.req_id for r in rows} - used)
@@ -183,25 +199,71 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
         bs = kv_cache.shape[2]
         if attn_metadata.views is None:
             attn_metadata.views = row_views(attn_metadata, bs, _step_rows())
-        for v in attn_metadata.views:
-            output[v.q0:v.q1] = self._row(query[v.q0:v.q1], kv_cache, attn_metadata.positions[v.q0:v.q1], v, spec)
+        views = attn_metadata.views
+        if not self.paged.affine(kv_cache):
+            for v in views:
+                output[v.q0:v.q1] = self._row(query, kv_cache, attn_metadata.positions, v, spec, 0, v.q1 - v.q0)
+            return output
+        for v in views:                        # the queries vLLM's kernel cannot serve
+            if v.lead:
+                output[v.q0:v.q0 + v.lead] = self._row(query, kv_cache, attn_metadata.positions, v, spec, 0, v.lead)
+        if any(v.lead < v.q1 - v.q0 for v in views):
+            self._through_vllm(layer, query, key, value, kv_cache, attn_metadata, output, spec)
         return output
 
-    def _row(self, q: torch.Tensor, kv_cache: torch.Tensor, vpos: torch.Tensor, v: RowView, spec: Any
-             ) -> torch.Tensor:
-        """Attention of one row's queries q [q, Hq, D] (rotated at vLLM positions vpos [q]) -> [q, Hq, D]."""
-        raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)         # [H, s, D]
-        n = q.shape[0]
-        qh = q.transpose(0, 1)[None]                                            # [1, Hq, q, D]
-        if v.logical is None:
-            kpos, mask = torch.arange(v.s), None
+    def _through_vllm(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: KvposAttentionMetadata, output: torch.Tensor, spec: Any) -> None:
+        """The queries after each row's lead (causal by token index): keys rotated to their logical positions into
+        the step's scratch cache (_kernel_batch), queries turned to theirs, and vLLM's own CPU attention kernel over
+        it; output rows written in place."""
+        sched = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_size,
+                 "dtype": self.paged.dtype, "sliding_window_size": -1, "isa": layer.isa,
+                 "enable_kv_split": vllm_envs.VLLM_CPU_ATTN_SPLIT_KV, "kv_cache_dtype": self.kv_cache_dtype}
+        scratch, sub, starts, idx = _kernel_batch(meta, kv_cache, sched)
+        q = query if idx is None else query[idx]
+        for i, (v, first) in enumerate(zip([v for v in meta.views if v.lead < v.q1 - v.q0], starts)):
+            raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)             # [H, s, D]
+            kpos = torch.arange(v.s) if v.logical is None else v.logical
+            self.paged.write_run(scratch, first, rotate(raw[None], kpos, spec)[0].to(raw.dtype), val)
+            if v.logical is not None:
+                if q is query:
+                    q = query.clone()
+                a, b = v.q0 + v.lead, v.q1
+                at = a if idx is None else int(sub.query_start_loc[i])
+                qh = query[a:b].transpose(0, 1)[None]                                   # [1, Hq, n, D]
+                q[at:at + b - a] = rotate(unrotate(qh, meta.positions[a:b], spec), kpos[v.s - (b - a):], spec
+                                          )[0].transpose(0, 1).to(q.dtype)
+        if idx is None:
+            super().forward(layer, q, key, value, scratch, sub, output)
         else:
-            kpos, mask = v.logical, v.allowed
-            qh = rotate(unrotate(qh, vpos, spec), kpos[v.s - n:], spec)
-        k = rotate(raw[None], kpos, spec)                                       # [1, H, s, D]
+            out = torch.empty_like(q)
+            super().forward(layer, q, key, value, scratch, sub, out)
+            output[idx] = out
+
+    def _row(self, query: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, v: RowView, spec: Any,
+             a: int, b: int) -> torch.Tensor:
+        """Attention of the row's queries a..b (of its q0..q1; query [T, Hq, D] rotated at vLLM's positions
+        `positions` [T]) in torch -> [b - a, Hq, D]."""
+        raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)         # [H, s, D]
+        q = query[v.q0 + a:v.q0 + b]
+        qh = q.transpose(0, 1)[None]                                            # [1, Hq, n, D]
+        t0 = v.s - (v.q1 - v.q0)                                                # the row's first query token
+        if v.logical is None:
+            kpos = torch.arange(v.s)
+            mask = None if (a, b) == (0, v.q1 - v.q0) else torch.arange(v.s)[None] <= torch.arange(
+                t0 + a, t0 + b)[:, None]
+        else:
+            kpos, mask = v.logical, v.allowed[a:b]
+            qh = rotate(unrotate(qh, positions[v.q0 + a:v.q0 + b], spec), kpos[t0 + a:t0 + b], spec)
+        is_ctx = v.is_ctx
+        if mask is not None and not bool(mask.any(0).all()):                   # only the keys some query sees
+            cols = mask.any(0).nonzero().flatten()                              # (a parallel passage's own)
+            raw, val, kpos, mask = raw[:, cols], val[:, cols], kpos[cols], mask[:, cols]
+            is_ctx = None if is_ctx is None else is_ctx[cols]
+        k = rotate(raw[None], kpos, spec)                                       # [1, H, s', D]
         if v.ape is not None:                                                   # APE over the passages
-            out = ape_attend(qh, k, val[None], mask[None, None], v.is_ctx[None], self.scale, v.ape[0],
-                             v.ape[1], q_is_ctx=v.is_ctx[v.s - n:][None])       # [1, Hq, q, D]
+            out = ape_attend(qh, k, val[None], mask[None, None], is_ctx[None], self.scale, v.ape[0],
+                             v.ape[1], q_is_ctx=v.is_ctx[t0 + a:t0 + b][None])  # [1, Hq, n, D]
             return out[0].transpose(0, 1).to(q.dtype)
         return _attend(qh, k, val[None], mask, self.scale).transpose(0, 1).to(q.dtype)
 
@@ -218,6 +280,44 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
         allowed = torch.ones(n, s, dtype=torch.bool).tril(s - n)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
                                                             enable_gqa=True)[0]
+
+
+def _kernel_batch(meta: KvposAttentionMetadata, kv: torch.Tensor, sched: dict
+                  ) -> tuple[torch.Tensor, Any, list[int], torch.Tensor | None]:
+    """What vLLM's kernel runs on in this step, made at its first layer and reused by the others (one metadata
+    object per step): the rows with queries after their lead, each row's blocks in a run of a scratch cache
+    [sum of their blocks, H, bs, 2 D] (zeroed), metadata of that sub-batch (block table into the scratch; query
+    ranges and scheduler metadata rebuilt when some queries are left out), each row's first scratch block, and the
+    step's token indices of the sub-batch's queries [T'] int64 (None: every query of the step, in order)."""
+    if meta.fused is None:
+        import vllm._custom_ops as vllm_ops
+
+        nb, H, bs, d2 = kv.shape
+        views = [v for v in meta.views if v.lead < v.q1 - v.q0]
+        counts = [v.block_ids.numel() for v in views]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        scratch = torch.zeros(max(1, sum(counts)), H, bs, d2, dtype=kv.dtype)
+        whole = len(views) == len(meta.views) == len(meta.seq_lens) and all(v.lead == 0 for v in views)
+        if whole:
+            table = torch.zeros_like(meta.block_table)
+            for v, first, c in zip(views, starts, counts):
+                table[v.row, :c] = torch.arange(first, first + c, dtype=table.dtype)
+            sub, idx = replace(meta, block_table=table, views=None, fused=None), None
+        else:
+            table = torch.zeros(len(views), max(counts), dtype=meta.block_table.dtype)
+            for i, (first, c) in enumerate(zip(starts, counts)):
+                table[i, :c] = torch.arange(first, first + c, dtype=table.dtype)
+            nq = torch.tensor([v.q1 - v.q0 - v.lead for v in views], dtype=meta.query_start_loc.dtype)
+            qsl = torch.cat([nq.new_zeros(1), nq.cumsum(0).to(nq.dtype)])
+            seq = torch.tensor([v.s for v in views], dtype=meta.seq_lens.dtype)
+            sm = vllm_ops.cpu_attn_get_scheduler_metadata(num_reqs=len(views), seq_lens=seq, query_start_loc=qsl,
+                                                          causal=True, dynamic_causal=None, **sched)
+            sub = replace(meta, num_actual_tokens=int(qsl[-1]), max_query_len=int(nq.max()), query_start_loc=qsl,
+                          max_seq_len=int(seq.max()), seq_lens=seq, block_table=table, scheduler_metadata=sm,
+                          causal=True, dynamic_causal=None, views=None, fused=None)
+            idx = torch.cat([torch.arange(v.q0 + v.lead, v.q1) for v in views])
+        meta.fused = (scratch, sub, starts, idx)
+    return meta.fused
 
 
 class KvposAttentionBackend(CPUAttentionBackend):

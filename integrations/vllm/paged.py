@@ -75,6 +75,31 @@ class PagedLayout:
             fail("kvpos paged gather", f"at least {s} slots in the blocks", f"{block_ids.numel()} blocks of {bs}")
         return tuple(_in_token_order(kv, m, block_ids, s) for m in self.element_maps(kv))
 
+    def affine(self, kv: torch.Tensor) -> bool:
+        """Whether both element maps are strided views (what `write_run` needs)."""
+        return all(_strides(m) is not None for m in self.element_maps(kv))
+
+    def write_run(self, kv: torch.Tensor, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [H, s, D] into the consecutive blocks first, first + 1, ... of kv (token t at block first + t // bs,
+        offset t % bs; the rest of the last block untouched): the inverse of gather_blocks over a run of blocks,
+        for the affine layouts only (ValueError otherwise)."""
+        nb, H, bs, d2 = kv.shape
+        s = k.shape[1]
+        n = -(-s // bs)
+        if k.shape != v.shape or k.dim() != 3 or k.shape[0] != H or k.shape[2] != d2 // 2 or first + n > nb:
+            fail("kvpos paged write_run", f"k, v [H={H}, s, D={d2 // 2}] in blocks [{first}, {first} + s / {bs}) "
+                 f"of {nb}", f"{list(k.shape)}, {list(v.shape)} from block {first}")
+        for x, m in zip((k, v), self.element_maps(kv)):
+            view = _block_view(kv, m)
+            if view is None:
+                fail("kvpos paged write_run", "an affine block layout", "a permuted element map",
+                     "use gather_blocks and attention in torch for this layout")
+            full = s // bs
+            if full:
+                view[first:first + full].copy_(x[:, :full * bs].reshape(H, full, bs, -1).transpose(0, 1))
+            if s > full * bs:
+                view[first + full, :, :s - full * bs].copy_(x[:, full * bs:])
+
 
 def _strides(m: torch.Tensor) -> tuple[int, int, int] | None:
     """(offset, stride of o, stride of d) when the element map m [bs, D] is affine, else None."""
@@ -86,16 +111,25 @@ def _strides(m: torch.Tensor) -> tuple[int, int, int] | None:
     return (base, so, sd) if torch.equal(m, want) else None
 
 
+def _block_view(kv: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """The elements of map m [bs, D] of every block as a strided view [blocks, H, bs, D] of kv, or None when m is
+    not affine."""
+    nb, H, bs, d2 = kv.shape
+    st = _strides(m)
+    if st is None:
+        return None
+    base, so, sd = st
+    flat = kv.view(nb, H, bs * d2)
+    return flat.as_strided((nb, H, bs, d2 // 2), (H * bs * d2, bs * d2, so, sd), flat.storage_offset() + base)
+
+
 def _in_token_order(kv: torch.Tensor, m: torch.Tensor, block_ids: torch.Tensor, s: int) -> torch.Tensor:
     """The elements of map m [bs, D] of blocks block_ids [n], as [H, s, D] in token order."""
     nb, H, bs, d2 = kv.shape
     D, n = d2 // 2, block_ids.numel()
-    flat = kv.view(nb, H, bs * d2)
-    st = _strides(m)
-    if st is None:
-        x = flat.index_select(0, block_ids).index_select(2, m.reshape(-1)).view(n, H, bs, D)
+    view = _block_view(kv, m)
+    if view is None:
+        x = kv.view(nb, H, bs * d2).index_select(0, block_ids).index_select(2, m.reshape(-1)).view(n, H, bs, D)
     else:
-        base, so, sd = st
-        view = flat.as_strided((nb, H, bs, D), (H * bs * d2, bs * d2, so, sd), flat.storage_offset() + base)
         x = view.index_select(0, block_ids)
     return x.permute(1, 0, 2, 3).reshape(H, n * bs, D)[:, :s]

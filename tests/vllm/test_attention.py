@@ -176,3 +176,24 @@ def test_paged_token_order_read_follows_any_element_map(kind):
     flat = kv.view(nb, H, bs * 2 * D)
     want = torch.stack([torch.stack([flat[block_ids[t // bs], h, m[t % bs]] for t in range(s)]) for h in range(H)])
     assert got.shape == (H, s, D) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_run_write_equals_vllms_own_cache_op(dtype):
+    """PagedLayout.write_run (the scratch cache vLLM's kernel reads) against vLLM's cache op writing the same
+    tokens at slots first * bs + t: every written element equal, the rest of the last block untouched; shapes
+    outside the cache refused."""
+    from kvpos.integrations.vllm.paged import PagedLayout
+
+    g = torch.Generator().manual_seed(2)
+    nb, H, bs, D, s, first = 9, 3, 16, 64, 53, 3
+    k = torch.randn(H, s, D, generator=g).to(dtype)
+    v = torch.randn(H, s, D, generator=g).to(dtype)
+    paged = PagedLayout(dtype)
+    got = torch.full((nb, H, bs, 2 * D), 7.0, dtype=dtype)
+    paged.write_run(got, first, k, v)
+    want = torch.full((nb, H, bs, 2 * D), 7.0, dtype=dtype)
+    paged.write(want, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), first * bs + torch.arange(s))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="write_run"):
+        paged.write_run(got, nb - 1, k, v)
