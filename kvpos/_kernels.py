@@ -27,12 +27,13 @@ import torch
 from ._checks import fail
 
 __all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "decode_heads_kernel",
+           "decode_paged_kernel",
            "decode_q8_kernel", "score_int8_kernel",
            "topk_indices", "transpose_int8_blocks"]
 
 # the C sources: kvpos/csrc/*.c (and common.h), shipped as package data, compiled together into one library
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = ("rope.c", "decode.c", "window.c")
+_SOURCES = ("rope.c", "decode.c", "window.c", "paged.c")
 _HEADERS = ("common.h",)
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -88,6 +89,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 8 + [i64] + [vp] * 3 + [i64] * 14 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
+    lib.kvpos_decode_paged_f32.argtypes = [vp] * 7 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
+    lib.kvpos_decode_paged_f32.restype = None
     for name in ("kvpos_decode_q8_f32", "kvpos_decode_q8_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 13 + [i64] * 20 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -222,6 +225,47 @@ def decode_raw_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
        out.data_ptr(), work.data_ptr(), B, Hkv, G, N, D, rotary_dim, cs.shape[0], 1 if m is None else m.shape[0],
        k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
        max(1, torch.get_num_threads()))
+    return out
+
+
+def decode_paged_kernel(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, scale: float, kmap: tuple[int, int, int],
+                        vmap: tuple[int, int, int]) -> torch.Tensor | None:
+    """Decode attention of one query per row over raw keys held in paged blocks, each key rotated as it is read:
+    [B, Hq, D] float32.
+
+    q [B, Hq, D] (rotated at each row's query position, any float dtype); kv float32 [blocks, Hkv, ...] one
+    layer's block pool, contiguous: block b, head h is the run kv[b, h] flattened, holding key element (slot o, dim
+    d) at kmap = (base, so, sd) as base + o * so + d * sd, and value elements at vmap; table [B, maxb] int64 the
+    rows' blocks in token order; lens [B] int64 their tokens; cos / sin float32 [B, D / 2, smax] (slot-minor, smax
+    >= every len) of the slots' positions, already multiplied by the RoPE attention scaling; half layout with every
+    dim rotating. None where the kernel cannot serve (the caller reads the blocks and attends in torch). Float64
+    reference: `kvpos.reference.decode_rows_ref`."""
+    if torch.compiler.is_compiling():
+        return None
+    B, Hq, D = q.shape if q.dim() == 3 else (0, 0, 0)
+    if (q.dim() != 3 or kv.device.type != "cpu" or kv.dtype != torch.float32 or not kv.is_contiguous()
+            or kv.dim() < 3 or D % 2 or D > 256 or Hq % kv.shape[1] or Hq // kv.shape[1] > 16
+            or table.dtype != torch.long or lens.dtype != torch.long or table.dim() != 2 or table.shape[0] != B
+            or lens.shape != (B,) or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.shape != sin.shape or cos.dim() != 3 or cos.shape[:2] != (B, D // 2)):
+        return None
+    per_head = kv[0, 0].numel()
+    bs = max(1, per_head // (2 * D))
+    if bs > 256 or (B and int(lens.max()) > min(cos.shape[2], table.shape[1] * bs)):
+        return None
+    lib = _get()
+    if lib is None:
+        return None
+    qc = q.to(torch.float32).contiguous()
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    tb, ln = table.contiguous(), lens.contiguous()
+    cs, sn = cos.contiguous(), sin.contiguous()
+    Hkv = kv.shape[1]
+    lib.kvpos_decode_paged_f32(qc.data_ptr(), kv.data_ptr(), tb.data_ptr(), ln.data_ptr(), cs.data_ptr(),
+                               sn.data_ptr(), out.data_ptr(), B, Hkv, Hq // Hkv, D, bs, tb.shape[1], cs.shape[2],
+                               kv.stride(0), kv.stride(1), *kmap, *vmap, float(scale),
+                               max(1, torch.get_num_threads()))
     return out
 
 

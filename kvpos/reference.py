@@ -10,8 +10,8 @@ import torch
 
 from .rope import RopeLayout, RopeSpec
 
-__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "dequant_q8_ref", "decode_q8_ref",
-           "ape_merge_ref", "windowed_score_ref", "distance_attend_ref", "scaled_attend_ref",
+__all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "decode_rows_ref",
+           "dequant_q8_ref", "decode_q8_ref", "ape_merge_ref", "windowed_score_ref", "distance_attend_ref", "scaled_attend_ref",
            "decode_heads_ref"]
 
 
@@ -77,6 +77,18 @@ def decode_raw_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, pos: t
     k = rotate_ref(k_raw, pos, spec)
     out, _ = attend_ref(q[:, :, None], k, v, None if allowed is None else allowed[:, None, None], scale)
     return out[:, :, 0]
+
+
+def decode_rows_ref(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], poss: list[torch.Tensor],
+                    spec: RopeSpec, scale: float) -> torch.Tensor:
+    """What the paged raw-key decode kernel computes, in float64: row b's query q[b] [Hq, D] (rotated) attending its
+    raw keys ks[b] [H, s_b, D] rotated to poss[b] [s_b] by explicit matrices, values vs[b] (rows of any lengths; a
+    row without tokens gives 0). Returns [B, Hq, D]."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (k, v, pos) in enumerate(zip(ks, vs, poss)):
+        if pos.numel():
+            out[b] = decode_raw_ref(q[b:b + 1], k[None], v[None], pos[None], spec, None, scale)[0]
+    return out
 
 
 def dequant_q8_ref(codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, nq: int,

@@ -44,14 +44,15 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvpos._checks import fail
-from kvpos.ape import ape_attend
-from kvpos.compose import plan_layout
-from kvpos.rope import rotate, unrotate
+from kvpos._kernels import decode_paged_kernel, rope_kernel_available
+from kvpos.rope import RopeLayout, cos_sin, rotate, unrotate
 
 from .paged import PagedLayout
 from .plugin import ENV
+from .rows import RowView, row_attention, row_views
 
-__all__ = ["KvposAttentionBackend", "KvposAttentionImpl", "KvposAttentionMetadata", "RowView", "row_views"]
+__all__ = ["KvposAttentionBackend", "KvposAttentionImpl", "KvposAttentionMetadata", "KvposLayer", "RowView",
+           "refuse_unsupported", "row_views"]
 
 
 @dataclass
@@ -62,6 +63,7 @@ class KvposAttentionMetadata(CPUAttentionMetadata):
     positions: torch.Tensor | None = None
     views: list | None = None
     fused: Any = None
+    decode: dict | None = None
 
 
 class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -69,103 +71,66 @@ class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
               ) -> KvposAttentionMetadata:
-        m = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        pos = common_attn_metadata.positions
-        if pos is None:
-            fail("kvpos attention metadata", "the runner's token positions (CommonAttentionMetadata.positions)",
-                 "None", "this vLLM runner does not hand positions to attention builders; kvpos needs vLLM 0.32")
-        return KvposAttentionMetadata(**{f.name: getattr(m, f.name) for f in fields(m)},
-                                      positions=pos[:m.num_actual_tokens].to(torch.long))
+        return with_positions(super().build(common_prefix_len, common_attn_metadata, fast_build),
+                              common_attn_metadata, KvposAttentionMetadata)
 
 
-@dataclass
-class RowView:
-    """Batch row `row`: query tokens [q0, q1) of the step, s tokens of the request so far, the blocks holding them
-    in order ([ceil(s / block size)] int64), and, for a kvpos layout, logical positions [s] int64 and visibility of
-    the row's queries [q, s] bool (None: vLLM's positions, causal); `lead`: how many of its first queries attend in
-    torch (all with APE; else those up to the last whose visibility is not causal by token index, e.g. passage
-    tokens computed in the parallel layout), the rest through vLLM's kernel; with APE its (temperature, scale) and
-    which tokens are passages [s] bool."""
-
-    q0: int
-    q1: int
-    s: int
-    block_ids: torch.Tensor
-    row: int = 0
-    logical: torch.Tensor | None = None
-    allowed: torch.Tensor | None = None
-    lead: int = 0
-    ape: tuple[float, float] | None = None
-    is_ctx: torch.Tensor | None = None
+def with_positions(m: Any, common: Any, cls: type) -> Any:
+    """vLLM's metadata m as the kvpos subclass cls, with the step's token positions [T] int64 from the runner's
+    common metadata (ValueError where the runner hands none)."""
+    pos = common.positions
+    if pos is None:
+        fail("kvpos attention metadata", "the runner's token positions (CommonAttentionMetadata.positions)",
+             "None", "this vLLM runner does not hand positions to attention builders; kvpos needs vLLM 0.32")
+    return cls(**{f.name: getattr(m, f.name) for f in fields(m)}, positions=pos[:m.num_actual_tokens].to(torch.long))
 
 
-def _layout_positions(anchor_len: int, lengths: list[int], layout: str, s: int, n: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logical positions [s], visibility of the last n tokens [n, s]) of the first s tokens of a request with this
-    layout: the anchor, the passages (kvpos.compose.plan_layout), then the question and generated tokens after
-    them."""
-    plan = plan_layout(anchor_len, lengths, layout)
-    P = plan.num_slots
-    pieces = [torch.arange(anchor_len)] + [plan.positions(i) for i in range(len(lengths))]
-    tail = torch.arange(plan.next_position, plan.next_position + max(0, s - P))
-    logical = torch.cat(pieces + [tail])[:s]
-    return logical, plan.allowed(max(0, s - P), torch.arange(s - n, s))[:, :s]
+def refuse_unsupported(num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes: Any,
+                       sliding_window: int | None, kv_cache_dtype: str, logits_soft_cap: float | None = None,
+                       attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                       sinks: torch.Tensor | None = None) -> None:
+    """ValueError naming what a layer asks for that the kvpos backends do not serve (vLLM's impl arguments)."""
+    refused = {"sliding windows": sliding_window is not None, "logits soft-capping": bool(logits_soft_cap),
+               "attention sinks": sinks is not None, "ALiBi": alibi_slopes is not None,
+               "quantized KV caches": kv_cache_dtype != "auto", "shared-KV layers": kv_sharing_target_layer_name,
+               "non-decoder attention": attn_type != AttentionType.DECODER}
+    bad = [k for k, v in refused.items() if v]
+    if bad:
+        fail("kvpos attention backend", "a decoder attention layer without " + ", ".join(refused), bad,
+             f"unset {ENV} for this model")
 
 
-def row_views(meta: KvposAttentionMetadata, block_size: int, rows: list) -> list[RowView]:
-    """The step's batch rows, each matched to its kvpos layout (`rows`: scheduler.RowLayout of the step). Raises
-    ValueError when a layout finds no row (a request's positions would silently be vLLM's)."""
-    qsl = meta.query_start_loc.tolist()
-    seq = meta.seq_lens.tolist()
-    by_block = {b: r for r in rows for b in r.block_ids}
-    views, used = [], set()
-    for i in range(len(seq)):
-        q0, q1, s = qsl[i], qsl[i + 1], int(seq[i])
-        if q1 <= q0:
-            continue
-        t = torch.arange(s)
-        v = RowView(q0, q1, s, meta.block_table[i][:-(-s // block_size)].to(torch.long), i)
-        last = int(meta.slot_mapping[q1 - 1]) // block_size
-        r = by_block.get(last)
-        if r is not None:
-            v.logical, v.allowed = _layout_positions(r.anchor_len, r.lengths, r.layout, s, q1 - q0)
-            odd = (v.allowed != (t[None] <= t[s - (q1 - q0):, None])).any(1).nonzero()
-            v.lead = int(odd[-1]) + 1 if odd.numel() else 0
-            if r.ape is not None:
-                v.ape = tuple(r.ape)
-                v.is_ctx = (t >= r.anchor_len) & (t < r.anchor_len + sum(r.lengths))
-                v.lead = q1 - q0
-            used.add(r.req_id)
-        views.append(v)
-    missing = sorted({r.req_id for r in rows} - used)
-    if missing:
-        fail("kvpos attention rows", "a batch row for every request with a kvpos layout", f"none for {missing}")
-    return views
+class KvposLayer:
+    """What both kvpos backends' impls add to vLLM's (mixed in before vLLM's impl class): refusals, the model's RoPE
+    specs and this layer's, the paged layout (`layout_cls`: paged.PagedLayout on CPU, flash_layout.FlashLayout on
+    CUDA), writes of raw keys (`do_kv_cache_update` un-rotates at vLLM's positions, then vLLM's own write) and the
+    step's row views (`_step_views`)."""
 
+    layout_cls: type = PagedLayout
+    meta_cls: type = object
 
-class KvposAttentionImpl(CPUAttentionBackendImpl):
-    """See the module docstring."""
-
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes: Any,
-                 sliding_window: int | None, kv_cache_dtype: str, logits_soft_cap: float | None = None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
-        refused = {"sliding windows": sliding_window is not None, "logits soft-capping": bool(logits_soft_cap),
-                   "attention sinks": sinks is not None, "ALiBi": alibi_slopes is not None,
-                   "quantized KV caches": kv_cache_dtype != "auto", "shared-KV layers": kv_sharing_target_layer_name,
-                   "non-decoder attention": attn_type != AttentionType.DECODER}
-        bad = [k for k, v in refused.items() if v]
-        if bad:
-            fail("kvpos attention backend", "a decoder attention layer without " + ", ".join(refused), bad,
-                 f"unset {ENV} for this model")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         from kvpos.integrations.hf.specs import rope_specs_from_config
 
+        refuse_unsupported(*args, **kwargs)
+        super().__init__(*args, **kwargs)
         cfg = get_current_vllm_config()
         self.specs = rope_specs_from_config(cfg.model_config.hf_config)
-        self.paged = PagedLayout(cfg.model_config.dtype)
+        self.paged = self.layout_cls(cfg.model_config.dtype)
         self.layer: int | None = None
+
+    def _step_views(self, layer: Any, kv_cache: torch.Tensor, attn_metadata: Any, output_scale: Any,
+                    output_block_scale: Any) -> tuple[list, Any] | None:
+        """(the step's row views, this layer's RoPE spec); None for vLLM's profiling run (no metadata)."""
+        if output_scale is not None or output_block_scale is not None:
+            fail("kvpos attention forward", "no fused output quantization", "an output scale")
+        if attn_metadata is None:
+            return None
+        if not isinstance(attn_metadata, self.meta_cls):
+            fail("kvpos attention metadata", self.meta_cls.__name__, type(attn_metadata).__name__)
+        if attn_metadata.views is None:
+            attn_metadata.views = row_views(attn_metadata, kv_cache.shape[2], _step_rows())
+        return attn_metadata.views, self._spec(layer)
 
     def _spec(self, layer: Any) -> Any:
         if self.layer is None:
@@ -185,21 +150,20 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
         raw = unrotate(key.transpose(0, 1)[None], pos, self._spec(layer))[0].transpose(0, 1).to(key.dtype)
         super().do_kv_cache_update(layer, raw.contiguous(), value, kv_cache, slot_mapping)
 
+
+class KvposAttentionImpl(KvposLayer, CPUAttentionBackendImpl):
+    """See the module docstring."""
+
+    meta_cls = KvposAttentionMetadata
+
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any, output: torch.Tensor, output_scale: Any = None, output_block_scale: Any = None
                 ) -> torch.Tensor:
         """query [T, Hq, D] rotated at vLLM's positions; output [T, Hq, D]."""
-        if output_scale is not None or output_block_scale is not None:
-            fail("kvpos attention forward", "no fused output quantization", "an output scale")
-        if attn_metadata is None:
+        step = self._step_views(layer, kv_cache, attn_metadata, output_scale, output_block_scale)
+        if step is None:
             return output
-        if not isinstance(attn_metadata, KvposAttentionMetadata):
-            fail("kvpos attention metadata", "KvposAttentionMetadata", type(attn_metadata).__name__)
-        spec = self._spec(layer)
-        bs = kv_cache.shape[2]
-        if attn_metadata.views is None:
-            attn_metadata.views = row_views(attn_metadata, bs, _step_rows())
-        views = attn_metadata.views
+        views, spec = step
         if not self.paged.affine(kv_cache):
             for v in views:
                 output[v.q0:v.q1] = self._row(query, kv_cache, attn_metadata.positions, v, spec, 0, v.q1 - v.q0)
@@ -207,24 +171,64 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
         for v in views:                        # the queries vLLM's kernel cannot serve
             if v.lead:
                 output[v.q0:v.q0 + v.lead] = self._row(query, kv_cache, attn_metadata.positions, v, spec, 0, v.lead)
-        if any(v.lead < v.q1 - v.q0 for v in views):
+        rest = [v for v in views if v.lead < v.q1 - v.q0]
+        if rest and all(v.q1 - v.q0 == 1 for v in rest) and self._decodes_paged(kv_cache, spec):
+            self._decode_paged(query, kv_cache, attn_metadata, rest, output, spec)
+        elif rest:
             self._through_vllm(layer, query, key, value, kv_cache, attn_metadata, output, spec)
         return output
 
+    def _decodes_paged(self, kv_cache: torch.Tensor, spec: Any) -> bool:
+        """Whether decode rows can run through kvpos's paged raw-key kernel: float32 cache in an affine layout,
+        half-layout RoPE over every dim, the kernel built."""
+        return (kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and spec.layout is RopeLayout.HALF
+                and spec.rotary_dim == spec.head_dim and rope_kernel_available() and self.paged.affine(kv_cache))
+
+    def _decode_paged(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: KvposAttentionMetadata,
+                      rows: list[RowView], output: torch.Tensor, spec: Any) -> None:
+        """One query per row: each row's raw keys read from vLLM's blocks and rotated as they are scored
+        (kvpos._kernels.decode_paged_kernel), no copy of the cache; queries turned to their logical positions.
+        The rows' tables, lengths and cos / sin are made at the step's first layer (per RoPE spec)."""
+        table, lens, cos, sin, idx = _decode_tables(meta, rows, spec)
+        q = query[idx]                                                                  # [B, Hq, D]
+        logical = [r for r, v in enumerate(rows) if v.logical is not None]
+        if logical:
+            sub = torch.tensor(logical)
+            vq = q[sub][:, :, None]                                                     # [B', Hq, 1, D]
+            at = torch.stack([rows[r].logical[-1] for r in logical])
+            q = q.clone()
+            q[sub] = rotate(unrotate(vq, meta.positions[idx[sub]][:, None], spec), at[:, None], spec
+                            )[:, :, 0].to(q.dtype)
+        out = decode_paged_kernel(q, kv_cache, table, lens, cos, sin, self.scale, *self.paged.strides(kv_cache))
+        if out is None:
+            fail("kvpos paged decode", "the paged kernel to serve an eligible step", "None",
+                 "report this: _decodes_paged and decode_paged_kernel disagree")
+        output[idx] = out.to(output.dtype)
+
+    def _row(self, query: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, v: RowView, spec: Any,
+             a: int, b: int) -> torch.Tensor:
+        """The row's queries a..b in torch (rows.row_attention) -> [b - a, Hq, D]."""
+        raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)         # [H, s, D]
+        return row_attention(query, positions, v, spec, self.scale, raw, val, a, b)
+
     def _through_vllm(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       kv_cache: torch.Tensor, meta: KvposAttentionMetadata, output: torch.Tensor, spec: Any) -> None:
-        """The queries after each row's lead (causal by token index): keys rotated to their logical positions into
-        the step's scratch cache (_kernel_batch), queries turned to theirs, and vLLM's own CPU attention kernel over
-        it; output rows written in place."""
+        """The queries after each row's lead (causal by token index): each row's blocks copied into the step's
+        scratch cache (_kernel_batch) and their keys rotated there, in place, to the row's logical positions (the
+        unused slots of a last block at position 0: never read), queries turned to theirs, and vLLM's own CPU
+        attention kernel over it; output rows written in place."""
         sched = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_size,
                  "dtype": self.paged.dtype, "sliding_window_size": -1, "isa": layer.isa,
                  "enable_kv_split": vllm_envs.VLLM_CPU_ATTN_SPLIT_KV, "kv_cache_dtype": self.kv_cache_dtype}
         scratch, sub, starts, idx = _kernel_batch(meta, kv_cache, sched)
         q = query if idx is None else query[idx]
         for i, (v, first) in enumerate(zip([v for v in meta.views if v.lead < v.q1 - v.q0], starts)):
-            raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)             # [H, s, D]
+            n_blk = v.block_ids.numel()
             kpos = torch.arange(v.s) if v.logical is None else v.logical
-            self.paged.write_run(scratch, first, rotate(raw[None], kpos, spec)[0].to(raw.dtype), val)
+            self.paged.copy_blocks(kv_cache, v.block_ids, scratch, first)              # raw keys, values
+            keys = self.paged.key_blocks(scratch)[first:first + n_blk]                  # [n, H, bs, D]
+            pos = torch.cat([kpos, kpos.new_zeros(n_blk * keys.shape[2] - v.s)]).view(n_blk, 1, -1)[:, 0]
+            rotate(keys, pos, spec, out=keys)                                           # in place, per block
             if v.logical is not None:
                 if q is query:
                     q = query.clone()
@@ -240,46 +244,25 @@ class KvposAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, q, key, value, scratch, sub, out)
             output[idx] = out
 
-    def _row(self, query: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, v: RowView, spec: Any,
-             a: int, b: int) -> torch.Tensor:
-        """Attention of the row's queries a..b (of its q0..q1; query [T, Hq, D] rotated at vLLM's positions
-        `positions` [T]) in torch -> [b - a, Hq, D]."""
-        raw, val = self.paged.gather_blocks(kv_cache, v.block_ids, v.s)         # [H, s, D]
-        q = query[v.q0 + a:v.q0 + b]
-        qh = q.transpose(0, 1)[None]                                            # [1, Hq, n, D]
-        t0 = v.s - (v.q1 - v.q0)                                                # the row's first query token
-        if v.logical is None:
-            kpos = torch.arange(v.s)
-            mask = None if (a, b) == (0, v.q1 - v.q0) else torch.arange(v.s)[None] <= torch.arange(
-                t0 + a, t0 + b)[:, None]
-        else:
-            kpos, mask = v.logical, v.allowed[a:b]
-            qh = rotate(unrotate(qh, positions[v.q0 + a:v.q0 + b], spec), kpos[t0 + a:t0 + b], spec)
-        is_ctx = v.is_ctx
-        if mask is not None and not bool(mask.any(0).all()):                   # only the keys some query sees
-            cols = mask.any(0).nonzero().flatten()                              # (a parallel passage's own)
-            raw, val, kpos, mask = raw[:, cols], val[:, cols], kpos[cols], mask[:, cols]
-            is_ctx = None if is_ctx is None else is_ctx[cols]
-        k = rotate(raw[None], kpos, spec)                                       # [1, H, s', D]
-        if v.ape is not None:                                                   # APE over the passages
-            out = ape_attend(qh, k, val[None], mask[None, None], is_ctx[None], self.scale, v.ape[0],
-                             v.ape[1], q_is_ctx=v.is_ctx[t0 + a:t0 + b][None])  # [1, Hq, n, D]
-            return out[0].transpose(0, 1).to(q.dtype)
-        return _attend(qh, k, val[None], mask, self.scale).transpose(0, 1).to(q.dtype)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float
-            ) -> torch.Tensor:
-    """Grouped-query attention of q [1, Hq, n, D] over k, v [1, H, s, D] -> [Hq, n, D] (torch's fused CPU kernel);
-    allowed [n, s] bool, or None: causal with the n queries last (query i sees keys up to s - n + i)."""
-    n, s = q.shape[2], k.shape[2]
-    if allowed is None and n == s:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0]
-    if allowed is None:
-        allowed = torch.ones(n, s, dtype=torch.bool).tril(s - n)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
-                                                            enable_gqa=True)[0]
+def _decode_tables(meta: KvposAttentionMetadata, rows: list[RowView], spec: Any) -> tuple:
+    """(block table [B, maxb] int64, lengths [B] int64, cos, sin [B, D / 2, smax] float32 scaled, the rows' query
+    token indices [B] int64) of a decode step, memoised on the step's metadata per RoPE spec."""
+    memo = meta.decode if meta.decode is not None else {}
+    meta.decode = memo
+    key = spec.identity
+    if key not in memo:
+        lens = torch.tensor([v.s for v in rows])
+        table = torch.zeros(len(rows), max(v.block_ids.numel() for v in rows), dtype=torch.long)
+        smax = int(lens.max())
+        cos = torch.zeros(len(rows), spec.rotary_dim // 2, smax)
+        sin = torch.zeros(len(rows), spec.rotary_dim // 2, smax)
+        for r, v in enumerate(rows):
+            table[r, :v.block_ids.numel()] = v.block_ids
+            c, s = cos_sin(torch.arange(v.s) if v.logical is None else v.logical, spec)   # [s, R/2]
+            cos[r, :, :v.s] = c.T * spec.attention_scaling
+            sin[r, :, :v.s] = s.T * spec.attention_scaling
+        memo[key] = (table, lens, cos, sin, torch.tensor([v.q0 for v in rows]))
+    return memo[key]
 
 
 def _kernel_batch(meta: KvposAttentionMetadata, kv: torch.Tensor, sched: dict
@@ -302,7 +285,7 @@ def _kernel_batch(meta: KvposAttentionMetadata, kv: torch.Tensor, sched: dict
             table = torch.zeros_like(meta.block_table)
             for v, first, c in zip(views, starts, counts):
                 table[v.row, :c] = torch.arange(first, first + c, dtype=table.dtype)
-            sub, idx = replace(meta, block_table=table, views=None, fused=None), None
+            sub, idx = replace(meta, block_table=table, views=None, fused=None, decode=None), None
         else:
             table = torch.zeros(len(views), max(counts), dtype=meta.block_table.dtype)
             for i, (first, c) in enumerate(zip(starts, counts)):
@@ -314,7 +297,7 @@ def _kernel_batch(meta: KvposAttentionMetadata, kv: torch.Tensor, sched: dict
                                                           causal=True, dynamic_causal=None, **sched)
             sub = replace(meta, num_actual_tokens=int(qsl[-1]), max_query_len=int(nq.max()), query_start_loc=qsl,
                           max_seq_len=int(seq.max()), seq_lens=seq, block_table=table, scheduler_metadata=sm,
-                          causal=True, dynamic_causal=None, views=None, fused=None)
+                          causal=True, dynamic_causal=None, views=None, fused=None, decode=None)
             idx = torch.cat([torch.arange(v.q0 + v.lead, v.q1) for v in views])
         meta.fused = (scratch, sub, starts, idx)
     return meta.fused
@@ -332,14 +315,14 @@ class KvposAttentionBackend(CPUAttentionBackend):
         return KvposMetadataBuilder
 
 
-def _layer_meta(layer_name: str) -> KvposAttentionMetadata | None:
-    """This layer's metadata of the running step (None outside a step with requests)."""
+def _layer_meta(layer_name: str) -> Any:
+    """This layer's kvpos metadata of the running step (None outside a step with requests)."""
     raw = get_forward_context().attn_metadata
     if isinstance(raw, list):
         fail("kvpos attention", "one metadata dict per step", "micro-batched metadata (a list)",
              "turn off dual-batch overlap / speculative decoding with the kvpos backend")
     meta = raw.get(layer_name) if isinstance(raw, dict) else None
-    return meta if isinstance(meta, KvposAttentionMetadata) else None
+    return meta if hasattr(meta, "views") and hasattr(meta, "positions") else None
 
 
 def _step_rows() -> list:

@@ -76,29 +76,34 @@ class PagedLayout:
         return tuple(_in_token_order(kv, m, block_ids, s) for m in self.element_maps(kv))
 
     def affine(self, kv: torch.Tensor) -> bool:
-        """Whether both element maps are strided views (what `write_run` needs)."""
+        """Whether both element maps are strided views (what `key_blocks` needs)."""
         return all(_strides(m) is not None for m in self.element_maps(kv))
 
-    def write_run(self, kv: torch.Tensor, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [H, s, D] into the consecutive blocks first, first + 1, ... of kv (token t at block first + t // bs,
-        offset t % bs; the rest of the last block untouched): the inverse of gather_blocks over a run of blocks,
-        for the affine layouts only (ValueError otherwise)."""
-        nb, H, bs, d2 = kv.shape
-        s = k.shape[1]
-        n = -(-s // bs)
-        if k.shape != v.shape or k.dim() != 3 or k.shape[0] != H or k.shape[2] != d2 // 2 or first + n > nb:
-            fail("kvpos paged write_run", f"k, v [H={H}, s, D={d2 // 2}] in blocks [{first}, {first} + s / {bs}) "
-                 f"of {nb}", f"{list(k.shape)}, {list(v.shape)} from block {first}")
-        for x, m in zip((k, v), self.element_maps(kv)):
-            view = _block_view(kv, m)
-            if view is None:
-                fail("kvpos paged write_run", "an affine block layout", "a permuted element map",
-                     "use gather_blocks and attention in torch for this layout")
-            full = s // bs
-            if full:
-                view[first:first + full].copy_(x[:, :full * bs].reshape(H, full, bs, -1).transpose(0, 1))
-            if s > full * bs:
-                view[first + full, :, :s - full * bs].copy_(x[:, full * bs:])
+    def strides(self, kv: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """((base, slot stride, dim stride) of keys, the same of values) inside one head's block run of bs * 2D
+        elements; ValueError where a map is not affine."""
+        st = tuple(_strides(m) for m in self.element_maps(kv))
+        if None in st:
+            fail("kvpos paged strides", "an affine block layout", "a permuted element map")
+        return st
+
+    def copy_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor, dst: torch.Tensor, first: int) -> None:
+        """Blocks block_ids [n] of kv, as they are (keys and values), into blocks first .. first + n - 1 of dst (a
+        tensor of kv's block shape)."""
+        n = block_ids.numel()
+        if dst.shape[1:] != kv.shape[1:] or dst.dtype != kv.dtype or not 0 <= first <= dst.shape[0] - n:
+            fail("kvpos paged copy_blocks", f"{n} blocks of {list(kv.shape[1:])} {kv.dtype} from block {first}",
+                 f"a destination of {list(dst.shape)} {dst.dtype}")
+        torch.index_select(kv, 0, block_ids, out=dst[first:first + n])
+
+    def key_blocks(self, kv: torch.Tensor) -> torch.Tensor:
+        """Every block's keys as a strided view [blocks, H, bs, D] of kv (write through it); ValueError where the
+        key map is not affine."""
+        view = _block_view(kv, self.element_maps(kv)[0])
+        if view is None:
+            fail("kvpos paged key_blocks", "an affine block layout", "a permuted element map",
+                 "use gather_blocks and attention in torch for this layout")
+        return view
 
 
 def _strides(m: torch.Tensor) -> tuple[int, int, int] | None:

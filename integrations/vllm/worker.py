@@ -15,6 +15,7 @@ from kvpos._checks import fail
 from kvpos.rope import rotate, unrotate
 from kvpos.store import ChunkKV, ChunkStore, CorruptChunkError, FingerprintMismatch, StoreUnavailable
 
+from .flash_layout import FlashLayout
 from .paged import PagedLayout
 from .scheduler import KvposMetadataFields, SegmentIO, WorkerReport
 
@@ -73,6 +74,8 @@ class WorkerSide:
             self.kv[int(m[1])] = t
         if sorted(self.kv) != list(range(len(self.specs))):
             fail("kvpos register_kv_caches", f"{len(self.specs)} attention layers", sorted(self.kv))
+        if any(t.is_cuda for t in self.kv.values()):     # vLLM's CUDA build: the FlashAttention layout (untried)
+            self.paged = FlashLayout(self.dtype)
 
     def _slots(self, io: SegmentIO, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(lo, hi)

@@ -179,21 +179,74 @@ def test_paged_token_order_read_follows_any_element_map(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_run_write_equals_vllms_own_cache_op(dtype):
-    """PagedLayout.write_run (the scratch cache vLLM's kernel reads) against vLLM's cache op writing the same
-    tokens at slots first * bs + t: every written element equal, the rest of the last block untouched; shapes
-    outside the cache refused."""
+def test_paged_block_copy_and_key_view_hold_what_vllms_cache_op_wrote(dtype):
+    """PagedLayout.copy_blocks + key_blocks (how the scratch cache vLLM's kernel reads is filled and its keys
+    rotated in place) against what vLLM's cache op wrote at scattered blocks: the copied run reads back as the
+    written keys and values, and the key view holds key t of block b at [b, :, t % bs]."""
     from kvpos.integrations.vllm.paged import PagedLayout
 
     g = torch.Generator().manual_seed(2)
-    nb, H, bs, D, s, first = 9, 3, 16, 64, 53, 3
-    k = torch.randn(H, s, D, generator=g).to(dtype)
-    v = torch.randn(H, s, D, generator=g).to(dtype)
+    nb, H, bs, D, s, first = 9, 3, 16, 64, 53, 2
+    block_ids = torch.tensor([6, 1, 8, 3])
+    t = torch.arange(s)
+    k, v = torch.randn(s, H, D, generator=g).to(dtype), torch.randn(s, H, D, generator=g).to(dtype)
     paged = PagedLayout(dtype)
-    got = torch.full((nb, H, bs, 2 * D), 7.0, dtype=dtype)
-    paged.write_run(got, first, k, v)
-    want = torch.full((nb, H, bs, 2 * D), 7.0, dtype=dtype)
-    paged.write(want, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), first * bs + torch.arange(s))
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="write_run"):
-        paged.write_run(got, nb - 1, k, v)
+    kv = torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
+    paged.write(kv, k, v, block_ids[t // bs] * bs + t % bs)
+    dst = torch.zeros(7, H, bs, 2 * D, dtype=dtype)
+    assert paged.affine(kv), f"vLLM's {dtype} block layout is no longer a strided view: its kernel path is off"
+    paged.copy_blocks(kv, block_ids, dst, first)
+    gk, gv = paged.gather_blocks(dst, torch.arange(first, first + 4), s)
+    assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
+    assert torch.equal(paged.key_blocks(dst)[first + t // bs, :, t % bs], k)
+    with pytest.raises(ValueError, match="copy_blocks"):
+        paged.copy_blocks(kv, block_ids, dst, 5)
+
+
+def test_flash_layout_reads_and_writes_where_vllms_flash_attention_looks():
+    """FlashLayout (the CUDA build's paged layout, used by the CUDA backend and the worker on CUDA tensors) against
+    the key / value views vLLM's FlashAttentionImpl takes of a layer tensor (`kv_cache.transpose(1, 2).split(D,
+    dim=-1)`), with scattered blocks and a partial last block; a physically permuted layer tensor reads the same."""
+    from kvpos.integrations.vllm.flash_layout import FlashLayout
+
+    g = torch.Generator().manual_seed(3)
+    nb, H, bs, D, s = 8, 3, 16, 64, 37
+    block_ids = torch.tensor([5, 1, 6])
+    t = torch.arange(s)
+    k, v = torch.randn(s, H, D, generator=g), torch.randn(s, H, D, generator=g)
+    for kv in (torch.zeros(nb, H, bs, 2 * D), torch.zeros(nb, bs, H, 2 * D).transpose(1, 2)):
+        lay = FlashLayout(torch.float32)
+        lay.write(kv, k, v, block_ids[t // bs] * bs + t % bs)
+        key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)          # [nb, bs, H, D] as vLLM reads them
+        assert torch.equal(key_cache[block_ids[t // bs], t % bs], k)
+        assert torch.equal(value_cache[block_ids[t // bs], t % bs], v)
+        gk, gv = lay.gather_blocks(kv, block_ids, s)
+        assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
+        ek, ev = lay.gather(kv, block_ids[t // bs], t % bs)
+        assert torch.equal(ek, gk) and torch.equal(ev, gv)
+    with pytest.raises(ValueError, match="flash gather"):
+        lay.gather_blocks(kv, block_ids[:2], s)
+
+
+def test_cuda_backend_is_vllms_flash_attention_with_kvpos_hooks_and_refusals():
+    """The CUDA variant (not run in an engine here: no GPU, CPU build of vLLM): built on vLLM's FlashAttention
+    classes, no CUDA graphs, the same refusals as the CPU backend; the plugin picks it on CUDA only."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder
+
+    from kvpos.integrations.vllm.attention import refuse_unsupported
+    from kvpos.integrations.vllm.attention_cuda import KvposFlashBackend, KvposFlashImpl, KvposFlashMetadata
+    from kvpos.integrations.vllm.plugin import BACKEND, CUDA_BACKEND, backend_for
+
+    assert issubclass(KvposFlashBackend.get_impl_cls(), FlashAttentionImpl)
+    assert KvposFlashBackend.get_impl_cls() is KvposFlashImpl
+    builder = KvposFlashBackend.get_builder_cls()
+    assert issubclass(builder, FlashAttentionMetadataBuilder)
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    assert {"positions", "views"} <= set(KvposFlashMetadata.__dataclass_fields__)
+    with pytest.raises(ValueError, match="sliding windows"):
+        refuse_unsupported(9, 64, 0.125, 3, None, 512, "auto")
+    refuse_unsupported(9, 64, 0.125, 3, None, None, "auto")
+    assert backend_for("cuda") == ("FLASH_ATTN", CUDA_BACKEND) and backend_for("cpu") == ("CPU_ATTN", BACKEND)
+    with pytest.raises(ValueError, match="platform"):
+        backend_for("tpu")
