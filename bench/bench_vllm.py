@@ -24,7 +24,8 @@ together. Look at: speedup_vs_full of kvpos at 4096 (target >= 10x), accuracy_ra
 Real questions (SQuAD / HotpotQA, bench/vllm_qa.py): `--data squad|hotpotqa --n 100 --records R.jsonl --json X.json`.
 The kvpos attention backend (integrations/vllm/attention.py): `--attention` measures TTFT under vLLM's own attention
 and under the backend (each engine in its own process, one after the other), adds `kvpos_parallel` (the parallel
-layout from the memory tier) and gives every speedup against vLLM's own full prefill.
+layout from the memory tier) and gives every speedup against vLLM's own full prefill. With `--data`, `--attention`
+runs the real questions on the backend (KVPOS_VLLM_ATTENTION=1 exported) and adds the parallel layout and APE.
 """
 from __future__ import annotations
 
@@ -272,7 +273,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     ap.add_argument("--attention", action="store_true",
                     help="TTFT only, twice: vLLM's own attention and the kvpos attention backend (each engine in its "
-                         "own process), speedups against vLLM's own full prefill")
+                         "own process), speedups against vLLM's own full prefill; with --data: the real questions on "
+                         "the backend (export KVPOS_VLLM_ATTENTION=1), adding the parallel layout and APE")
     ap.add_argument("--engine", choices=["stock", "kvpos"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory-context", type=int, default=4096,
                     help="with --attention: prompt tokens of the 8 concurrent requests of the KV memory rows (0: skip)")
@@ -348,11 +350,13 @@ def run_qa(a: argparse.Namespace, store: str) -> dict:
     rb = RequestBuilder(tok, turns=a.format == "turns", question_prefix=rag_qa.question_prefix(instruction))
     longest = max(len(rb.request(x["paragraphs"], x["question"])[0]["prompt_token_ids"]) for x in items)
     max_len = 1 << (longest + a.max_new + 64).bit_length()
-    llm = _engine(a.model, store, max_len, 8, max_logprobs=vllm_qa.FULL_VOCAB, disable_log_stats=False)
+    llm = _engine(a.model, store, max_len, 8, attention=a.attention, max_logprobs=vllm_qa.FULL_VOCAB,
+                  disable_log_stats=False)
     meta = {"data": a.data,
             "format": a.format, "model": os.path.basename(a.model.rstrip("/")), "split": a.split,
-            "engine": "vllm", "run": f"{a.data}-{a.format}-{a.seed}"}
-    return {"rows": vllm_qa.run_items(llm, rb, tok, items, a.max_new, a.records, a.prefix_every, meta)}
+            "engine": "vllm-kvpos-attention" if a.attention else "vllm", "run": f"{a.data}-{a.format}-{a.seed}"}
+    return {"rows": vllm_qa.run_items(llm, rb, tok, items, a.max_new, a.records, a.prefix_every, meta,
+                                      attention=a.attention)}
 
 
 def run_attention(a: argparse.Namespace, argv: list[str]) -> dict:
@@ -436,7 +440,7 @@ def _tables(res: dict) -> str:
 
 def main(argv=None) -> None:
     a = _args(argv)
-    if a.attention and not a.engine:
+    if a.attention and not a.engine and not a.data:
         res = run_attention(a, list(sys.argv[1:] if argv is None else argv))
         write_outputs(a.json, res, _tables(res))
         return

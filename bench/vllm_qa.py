@@ -4,14 +4,18 @@ bench/bench_vllm.py (the engine-side twin of bench/rag_qa.py).
     .venv-vllm/bin/python bench/bench_vllm.py --data squad --n 100 --split heldout --records R.jsonl --json X.json
     .venv-vllm/bin/python bench/bench_vllm.py --report R.jsonl --json X.json        # table + plot from records
 
-What the engine serves today is the sequential layout (every passage encoded alone after the anchor, loaded by the
-connector and rotated to its place); repairs and other layouts are not in the engine (issue 33). Methods:
+The connector serves the sequential layout (every passage encoded alone after the anchor, loaded and rotated to its
+place); with `--attention` (the kvpos attention backend, KVPOS_VLLM_ATTENTION=1) the engine also serves the
+parallel layout and APE over it. Repairs are not in the engine. Methods:
 
   full            plain vLLM prefill (a cache salt of its own: nothing reused)
   kvpos           the connector loads anchor + every passage from its worker-memory tier
   prefix          vLLM's own prefix cache, warmed by a request over the same passages in another order (exact;
                   every --prefix-every'th item)
   kvpos_redis     as kvpos, every chunk fetched from Redis (every --prefix-every'th item)
+  kvpos_parallel  (--attention) the passages loaded at overlapping positions after the anchor, not visible to
+                  each other, the question after the longest
+  kvpos_ape       (--attention) the parallel layout with APE's temperature 0.7 and scale 1.0 over the passages
 
 Every passage is stored first (not timed). Per (item, method) two requests: the answer (greedy, --max-new tokens;
 TTFT is the engine's own first_token_latency of that request, sent alone) and the gold answer teacher forced after
@@ -98,9 +102,13 @@ def _method(llm, prompt: dict, params: dict | None, gold: list[int], salt: str, 
     return rec
 
 
+LAYOUTS = {"kvpos_parallel": ("parallel", None), "kvpos_ape": ("parallel", (0.7, 1.0))}
+
+
 def run_items(llm, rb, tok, items: Sequence[dict], max_new: int, records: str | None, prefix_every: int,
-              meta: dict) -> list[dict]:
-    """Every method on every item not yet in `records` (lines appended per item); returns the new records."""
+              meta: dict, attention: bool = False) -> list[dict]:
+    """Every method on every item not yet in `records` (lines appended per item); returns the new records. With
+    `attention` (an engine on the kvpos attention backend) also the LAYOUTS methods."""
     done = set()
     if records and os.path.exists(records):
         with open(records) as f:
@@ -114,9 +122,13 @@ def run_items(llm, rb, tok, items: Sequence[dict], max_new: int, records: str | 
         salt = f"{meta['run']}-{item['id']}"
         got = {"full": _method(llm, prompt, None, gold, salt + "-full", max_new),
                "kvpos": _method(llm, prompt, params, gold, salt + "-kv", max_new)}
-        dists = {m: _first_dist(_one(llm, _salted(prompt, f"{salt}-{m}-d", m == "kvpos"),
+        asked = {"full": (prompt, None), "kvpos": (prompt, params)}
+        for name, (layout, ape) in (LAYOUTS.items() if attention else ()):
+            asked[name] = rb.request(item["paragraphs"], item["question"], save=False, layout=layout, ape=ape)
+            got[name] = _method(llm, *asked[name], gold, f"{salt}-{name}", max_new)
+        dists = {m: _first_dist(_one(llm, _salted(pr, f"{salt}-{m}-d", p is not None),
                                      _sp(1, _params(p, True), logprobs=FULL_VOCAB, detokenize=False)))
-                 for m, p in (("full", None), ("kvpos", params))}
+                 for m, (pr, p) in asked.items()}
         if idx % prefix_every == 0:
             order = random.Random(idx).sample(range(len(item["paragraphs"])), len(item["paragraphs"]))
             warm, _ = rb.request([item["paragraphs"][i] for i in order], item["question"], save=False)
