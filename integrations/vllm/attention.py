@@ -26,8 +26,8 @@ row is the one whose last scheduled token is written to a block the request hold
 one request: vLLM shares only full blocks).
 
 Refused at engine start (ValueError naming the feature): sliding windows, logits soft-capping, attention sinks,
-ALiBi, quantized KV caches, non-decoder attention, shared-KV layers. The CUDA build of vLLM selects its backends
-through another platform hook; this backend is written for and tested on the CPU build only.
+ALiBi, quantized KV caches, non-decoder attention, shared-KV layers. This backend is vLLM's CPU build; the CUDA
+build gets attention_cuda.KvposFlashBackend (written, not tested in an engine; see there).
 """
 from __future__ import annotations
 
