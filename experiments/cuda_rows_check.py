@@ -4,7 +4,8 @@ at vLLM's positions, as do_kv_cache_update does), one request in the parallel la
 overlapping positions after an anchor, then a question), every token a query; the reference rotates keys and
 queries to the logical positions in float64 and runs a masked softmax with grouped query heads.
 
-    python experiments/cuda_rows_check.py --device cuda --json OUT.json     (PYTHONPATH=. ; a GPU)
+    PYTHONPATH=. python3 experiments/cuda_rows_check.py --device cuda --json OUT.json     (a GPU; kvpos from the
+                                                                                          checkout, not installed)
 
 Also times row_attention for 80 queries over 8k keys (sequential) on the device, median of 20 after 3 warm-ups.
 """
@@ -19,12 +20,14 @@ import time
 
 import torch
 
+from kvpos.rope import RopeSpec, rotate, unrotate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from kvpos.rope import RopeSpec, rotate, unrotate  # noqa: E402
 
 
 def _load(name):
+    """integrations/vllm/<name>.py by file (a GPU machine without kvpos installed has no kvpos.integrations; the
+    two modules import only torch and kvpos)."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "integrations", "vllm", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
