@@ -33,11 +33,11 @@ def _pool(rows_k, rows_v, bs, D, layout, g):
             blk = int(perm[used])
             used += 1
             table[b, j] = blk
+            d = torch.arange(D)
             for o in range(min(bs, k.shape[1] - j * bs)):
                 t = j * bs + o
-                for d in range(D):
-                    pool[blk, :, kmap[0] + o * kmap[1] + d * kmap[2]] = k[:, t, d]
-                    pool[blk, :, vmap[0] + o * vmap[1] + d * vmap[2]] = v[:, t, d]
+                pool[blk, :, kmap[0] + o * kmap[1] + d * kmap[2]] = k[:, t]
+                pool[blk, :, vmap[0] + o * vmap[1] + d * vmap[2]] = v[:, t]
     return pool, table, kmap, vmap
 
 
