@@ -75,7 +75,11 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     i64, vp, fp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
     for name in ("kvpos_rope_f32", "kvpos_rope_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [vp, vp, fp, fp] + [i64] * 7 + [vp] * 4 + [ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [vp, vp, fp, fp] + [i64] * 7 + [vp] * 6 + [ctypes.c_int, ctypes.c_int]
+        fn.restype = None
+    for name in ("kvpos_rope_tok_f32", "kvpos_rope_tok_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [vp, vp, fp, fp] + [i64] * 12 + [ctypes.c_int, ctypes.c_int]
         fn.restype = None
     lib.kvpos_score_int8.argtypes = [vp, vp, vp, vp] + [i64] * 5 + [ctypes.c_int]
     lib.kvpos_score_int8.restype = None
@@ -126,7 +130,8 @@ def kernel_status() -> str:
 
 def _eligible(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor, xst: list[tuple],
               ost: list[tuple], xp: list[int], op: list[int]) -> bool:
-    """CPU fp32/bf16 tensors of one shape, unit stride on D and stride D on S; in place only with equal strides.
+    """CPU fp32/bf16 tensors of one shape, unit stride on D and a stride of at least D on S (tokens do not overlap);
+    in place only with equal strides.
     Strides and pointers come precomputed (one call each per tensor: this runs on every re-positioning)."""
     shape, dtype = xs[0].shape, xs[0].dtype
     if len(shape) != 4 or dtype not in (torch.float32, torch.bfloat16) or cos.dtype != torch.float32:
@@ -135,7 +140,7 @@ def _eligible(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tenso
     for x, o, a, b, pa, pb in zip(xs, outs, xst, ost, xp, op):
         if (x.device.type != "cpu" or o.device.type != "cpu" or x.dtype != dtype or o.dtype != dtype
                 or x.shape != shape or o.shape != shape or x.requires_grad
-                or a[3] != 1 or b[3] != 1 or a[2] != D or b[2] != D or (pa == pb and a != b)):
+                or a[3] != 1 or b[3] != 1 or a[2] < D or b[2] < D or (pa == pb and a != b)):
             return False
     return True
 
@@ -154,8 +159,10 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     shape, dtype = xs[0].shape, xs[0].dtype
     xst, ost = [x.stride() for x in xs], [o.stride() for o in outs]
     xp, op = [x.data_ptr() for x in xs], [o.data_ptr() for o in outs]
-    if len(outs) != len(xs) or not _eligible(xs, outs, cos, xst, ost, xp, op):
+    if len(outs) != len(xs):
         return False
+    if not _eligible(xs, outs, cos, xst, ost, xp, op):
+        return _rope_tokens_kernel(xs, cos, sin, rotary_dim, interleaved, outs, xst, ost, xp, op)
     lib = _get()
     if lib is None:
         return False
@@ -170,9 +177,35 @@ def rope_apply_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     fn = lib.kvpos_rope_f32 if dtype == torch.float32 else lib.kvpos_rope_bf16
     fn(ptrs(*xp), ptrs(*op), cs.data_ptr(), sn.data_ptr(),
        L, B, H, S, D, rotary_dim, cs.shape[0],
-       ints(*[a[0] for a in xst]), ints(*[a[1] for a in xst]),
-       ints(*[b[0] for b in ost]), ints(*[b[1] for b in ost]),
+       ints(*[a[0] for a in xst]), ints(*[a[1] for a in xst]), ints(*[a[2] for a in xst]),
+       ints(*[b[0] for b in ost]), ints(*[b[1] for b in ost]), ints(*[b[2] for b in ost]),
        1 if interleaved else 0, max(1, torch.get_num_threads()))
+    return True
+
+
+def _rope_tokens_kernel(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                        interleaved: bool, outs: list[torch.Tensor], xst: list[tuple], ost: list[tuple],
+                        xp: list[int], op: list[int]) -> bool:
+    """rope_apply_kernel for one tensor whose tokens are contiguous (unit stride on S, a stride of at least S on D:
+    vLLM's CPU blocks); cos / sin [B|1, 1, S, R/2] are read transposed ([B|1, R/2, S]; no copy when they are views
+    of that layout). False where it cannot serve."""
+    x, o = xs[0], outs[0]
+    B, H, S, D = x.shape
+    a, b = xst[0], ost[0]
+    if (len(xs) != 1 or x.dtype not in (torch.float32, torch.bfloat16) or o.dtype != x.dtype or o.shape != x.shape
+            or cos.dtype != torch.float32 or x.device.type != "cpu" or o.device.type != "cpu" or x.requires_grad
+            or a[2] != 1 or b[2] != 1 or a[3] < S or b[3] < S or (xp[0] == op[0] and a != b)):
+        return False
+    lib = _get()
+    if lib is None:
+        return False
+    ct = cos.reshape(cos.shape[0], S, rotary_dim // 2).transpose(1, 2).contiguous()      # [B|1, R/2, S]
+    nt = sin.reshape(sin.shape[0], S, rotary_dim // 2).transpose(1, 2).contiguous()
+    if ct.shape[0] not in (1, B):
+        return False
+    fn = lib.kvpos_rope_tok_f32 if x.dtype == torch.float32 else lib.kvpos_rope_tok_bf16
+    fn(xp[0], op[0], ct.data_ptr(), nt.data_ptr(), B, H, S, D, rotary_dim, ct.shape[0], a[0], a[1], a[3],
+       b[0], b[1], b[3], 1 if interleaved else 0, max(1, torch.get_num_threads()))
     return True
 
 

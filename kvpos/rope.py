@@ -26,7 +26,7 @@ import torch
 from ._checks import fail
 from ._kernels import rope_apply_kernel
 
-__all__ = ["RopeLayout", "RopeSpec", "rotate", "unrotate", "cos_sin", "UnsupportedRopeError", "STATIC_ROPE_TYPES"]
+__all__ = ["RopeLayout", "RopeSpec", "rotate", "rotate_by", "unrotate", "cos_sin", "UnsupportedRopeError", "STATIC_ROPE_TYPES"]
 
 
 class UnsupportedRopeError(ValueError):
@@ -217,6 +217,22 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec, out: torch.Tensor
     """
     cos, sin = _cos_sin_for(x, pos, spec)
     return _apply(x, cos, sin, spec, spec.attention_scaling, out)
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """`rotate(x, pos, spec, out)` with (cos, sin) = cos_sin(pos, spec) made once by the caller and shared by many
+    calls (e.g. every layer of one step): x [B, H, S, D]; cos, sin [B|1, S, R/2] float32 (unscaled, as cos_sin
+    returns them). The caller checks pos (spec.check_positions) when it makes them."""
+    if x.dim() != 4:
+        fail("rotate_by: x", "a 4-D tensor [B, H, S, D]", tuple(x.shape))
+    want = (x.shape[2], spec.rotary_dim // 2)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (t.dim() != 3 or tuple(t.shape[1:]) != want or t.shape[0] not in (1, x.shape[0])
+                or t.dtype != torch.float32):
+            fail(f"rotate_by: {name}", f"float32 [1 or {x.shape[0]}, {want[0]}, {want[1]}] (cos_sin of the positions)",
+                 f"{t.dtype} {tuple(t.shape)}")
+    return _apply(x, cos[:, None], sin[:, None], spec, spec.attention_scaling, out)
 
 
 def unrotate(x: torch.Tensor, pos: torch.Tensor, spec: RopeSpec, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -152,6 +152,39 @@ def test_fused_kernel_equals_torch_path(spec, dtype, monkeypatch):
         assert ((fast.float() - slow.float()).abs() <= slow.float().abs() * 2 ** -7 + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout.value}-R{s.rotary_dim}-s{s.attention_scaling}")
+def test_fused_kernel_rotates_tokens_inside_longer_rows_in_place(spec, dtype):
+    """Keys beside values in one row per token (vLLM's CPU blocks): the kernel serves the strided view in place
+    and leaves the values untouched."""
+    from kvpos._kernels import rope_apply_kernel, rope_kernel_available
+    from kvpos.rope import cos_sin
+
+    if not rope_kernel_available():
+        pytest.skip("C kernel not built on this machine (the torch path is what runs)")
+    rows = torch.randn(3, 2, 16, 2 * spec.head_dim).to(dtype)                  # [B, H, S, keys | values]
+    keys, values = rows[..., :spec.head_dim], rows[..., spec.head_dim:].clone()
+    want = rotate(keys.contiguous(), pos := torch.randint(0, 4000, (3, 16)), spec)
+    cos, sin = cos_sin(pos, spec)
+    assert rope_apply_kernel([keys], (cos * spec.attention_scaling)[:, None], (sin * spec.attention_scaling)[:, None],
+                             spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED, [keys])
+    assert torch.equal(keys, want) and torch.equal(rows[..., spec.head_dim:], values)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout.value}-R{s.rotary_dim}-s{s.attention_scaling}")
+def test_rotate_by_shared_angles_equals_rotate(spec):
+    from kvpos.rope import cos_sin, rotate_by
+
+    x = torch.randn(2, 3, 9, spec.head_dim)
+    pos = torch.randint(0, 3000, (2, 9))
+    assert torch.equal(rotate_by(x, *cos_sin(pos, spec), spec), rotate(x, pos, spec))
+    assert torch.equal(rotate_by(x, *cos_sin(pos[:1], spec), spec), rotate(x, pos[:1], spec))
+    with pytest.raises(ValueError, match="rotate_by: cos"):
+        rotate_by(x, *cos_sin(pos[:, :5], spec), spec)
+    with pytest.raises(ValueError, match="rotate_by: x"):
+        rotate_by(x[0], *cos_sin(pos, spec), spec)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS + LIMITED_ARCHS)
 def test_specs_from_a_config_alone_equal_those_of_the_loaded_model(arch):
     from kvpos.integrations.hf.models import rope_specs_from_config

@@ -45,7 +45,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from kvpos._checks import fail
 from kvpos._kernels import decode_paged_kernel, rope_kernel_available
-from kvpos.rope import RopeLayout, cos_sin, rotate, unrotate
+from kvpos.rope import RopeLayout, cos_sin, rotate, rotate_by, unrotate
 
 from .paged import PagedLayout
 from .plugin import ENV
@@ -64,6 +64,7 @@ class KvposAttentionMetadata(CPUAttentionMetadata):
     views: list | None = None
     fused: Any = None
     decode: dict | None = None
+    angles: dict | None = None
 
 
 class KvposMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -227,8 +228,7 @@ class KvposAttentionImpl(KvposLayer, CPUAttentionBackendImpl):
             kpos = torch.arange(v.s) if v.logical is None else v.logical
             self.paged.copy_blocks(kv_cache, v.block_ids, scratch, first)              # raw keys, values
             keys = self.paged.key_blocks(scratch)[first:first + n_blk]                  # [n, H, bs, D]
-            pos = torch.cat([kpos, kpos.new_zeros(n_blk * keys.shape[2] - v.s)]).view(n_blk, 1, -1)[:, 0]
-            rotate(keys, pos, spec, out=keys)                                           # in place, per block
+            rotate_by(keys, *_block_angles(meta, i, kpos, (n_blk, keys.shape[2]), spec), spec, out=keys)   # in place
             if v.logical is not None:
                 if q is query:
                     q = query.clone()
@@ -243,6 +243,24 @@ class KvposAttentionImpl(KvposLayer, CPUAttentionBackendImpl):
             out = torch.empty_like(q)
             super().forward(layer, q, key, value, scratch, sub, out)
             output[idx] = out
+
+
+def _block_angles(meta: KvposAttentionMetadata, i: int, kpos: torch.Tensor, blocks: tuple[int, int], spec: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [n, bs, R/2] of the kernel batch's row i at its key positions kpos [s] int64 laid out in
+    blocks = (n, bs) (the slots after s at position 0: never read), made at the step's first layer and reused by
+    the others (memoised on the step's metadata per row and RoPE spec)."""
+    memo = meta.angles if meta.angles is not None else {}
+    meta.angles = memo
+    key = (i, spec.identity)
+    if key not in memo:
+        n_blk, bs = blocks
+        pos = torch.cat([kpos, kpos.new_zeros(n_blk * bs - kpos.numel())]).view(n_blk, bs)
+        spec.check_positions(pos, "kvpos attention: key positions")
+        # stored [n, R/2, bs] (viewed as [n, bs, R/2]): the rotation kernel reads vLLM's token-major keys with them
+        memo[key] = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in cos_sin(pos, spec))
+    return memo[key]
+
 
 def _decode_tables(meta: KvposAttentionMetadata, rows: list[RowView], spec: Any) -> tuple:
     """(block table [B, maxb] int64, lengths [B] int64, cos, sin [B, D / 2, smax] float32 scaled, the rows' query
@@ -285,7 +303,7 @@ def _kernel_batch(meta: KvposAttentionMetadata, kv: torch.Tensor, sched: dict
             table = torch.zeros_like(meta.block_table)
             for v, first, c in zip(views, starts, counts):
                 table[v.row, :c] = torch.arange(first, first + c, dtype=table.dtype)
-            sub, idx = replace(meta, block_table=table, views=None, fused=None, decode=None), None
+            sub, idx = replace(meta, block_table=table, views=None, fused=None, decode=None, angles=None), None
         else:
             table = torch.zeros(len(views), max(counts), dtype=meta.block_table.dtype)
             for i, (first, c) in enumerate(zip(starts, counts)):
@@ -297,7 +315,7 @@ def _kernel_batch(meta: KvposAttentionMetadata, kv: torch.Tensor, sched: dict
                                                           causal=True, dynamic_causal=None, **sched)
             sub = replace(meta, num_actual_tokens=int(qsl[-1]), max_query_len=int(nq.max()), query_start_loc=qsl,
                           max_seq_len=int(seq.max()), seq_lens=seq, block_table=table, scheduler_metadata=sm,
-                          causal=True, dynamic_causal=None, views=None, fused=None, decode=None)
+                          causal=True, dynamic_causal=None, views=None, fused=None, decode=None, angles=None)
             idx = torch.cat([torch.arange(v.q0 + v.lead, v.q1) for v in views])
         meta.fused = (scratch, sub, starts, idx)
     return meta.fused

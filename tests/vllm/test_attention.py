@@ -203,6 +203,39 @@ def test_paged_block_copy_and_key_view_hold_what_vllms_cache_op_wrote(dtype):
         paged.copy_blocks(kv, block_ids, dst, 5)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_keys_rotate_in_place_in_vllms_blocks_through_the_fused_kernel(interleaved, monkeypatch):
+    """The scratch path's in-place rotation of the key view (token-major in vLLM's fp32 CPU blocks) is served by
+    kvpos's C kernel (not torch's strided fallback), equals torch's rotation and the float64 reference, and leaves
+    the values as they were."""
+    from kvpos._kernels import rope_apply_kernel, rope_kernel_available
+    from kvpos.integrations.vllm.paged import PagedLayout
+    from kvpos.reference import rotate_ref
+    from kvpos.rope import RopeLayout, RopeSpec, cos_sin, rotate_by
+
+    if not rope_kernel_available():
+        pytest.fail("the C kernels are not built: the vLLM suite expects them")
+    g = torch.Generator().manual_seed(4)
+    nb, H, bs, D = 5, 3, 16, 64
+    spec = RopeSpec(1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D), 1.0, D, D,
+                    RopeLayout.INTERLEAVED if interleaved else RopeLayout.HALF)
+    paged = PagedLayout(torch.float32)
+    kv = torch.randn(nb, H, bs, 2 * D, generator=g)
+    keys = paged.key_blocks(kv)                                                  # [nb, H, bs, D] view
+    raw, before = keys.clone(), kv.clone()
+    pos = torch.randint(0, 4000, (nb, bs), generator=g)
+    cos, sin = cos_sin(pos, spec)
+    assert rope_apply_kernel([keys.clone()], cos[:, None], sin[:, None], D, interleaved, [keys.clone()])
+    rotate_by(keys, cos, sin, spec, out=keys)
+    want = rotate_ref(raw.double(), pos, spec)          # float64 angles: float32's differ by ~pos * 2^-24 rad
+    assert (keys.double() - want).abs().max() < 1e-3
+    monkeypatch.setattr("kvpos.rope.rope_apply_kernel", lambda *a, **k: False)
+    assert (keys - rotate_by(raw, cos, sin, spec)).abs().max() < 1e-5            # torch's path, the same angles
+    restored = kv.clone()
+    paged.key_blocks(restored).copy_(raw)
+    assert torch.equal(restored, before)                                         # only the key elements changed
+
+
 def test_flash_layout_reads_and_writes_where_vllms_flash_attention_looks():
     """FlashLayout (the CUDA build's paged layout, used by the CUDA backend and the worker on CUDA tensors) against
     the key / value views vLLM's FlashAttentionImpl takes of a layer tensor (`kv_cache.transpose(1, 2).split(D,
