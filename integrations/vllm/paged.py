@@ -29,6 +29,7 @@ class PagedLayout:
         self.dtype = dtype
         self.isa: str | None = None
         self.maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.map_strides: tuple | None = None
 
     def element_maps(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where vLLM's cache op puts key / value element (offset o, dim d) inside one head's block: two [bs, D]
@@ -73,16 +74,23 @@ class PagedLayout:
         nb, H, bs, d2 = kv.shape
         if block_ids.numel() * bs < s:
             fail("kvpos paged gather", f"at least {s} slots in the blocks", f"{block_ids.numel()} blocks of {bs}")
-        return tuple(_in_token_order(kv, m, block_ids, s) for m in self.element_maps(kv))
+        return tuple(_in_token_order(kv, m, st, block_ids, s) for m, st in zip(self.element_maps(kv),
+                                                                                self._map_strides(kv)))
+
+    def _map_strides(self, kv: torch.Tensor) -> tuple:
+        """(_strides of the key map, of the value map), found with the maps (once per engine)."""
+        if self.map_strides is None:
+            self.map_strides = tuple(_strides(m) for m in self.element_maps(kv))
+        return self.map_strides
 
     def affine(self, kv: torch.Tensor) -> bool:
         """Whether both element maps are strided views (what `key_blocks` needs)."""
-        return all(_strides(m) is not None for m in self.element_maps(kv))
+        return None not in self._map_strides(kv)
 
     def strides(self, kv: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """((base, slot stride, dim stride) of keys, the same of values) inside one head's block run of bs * 2D
         elements; ValueError where a map is not affine."""
-        st = tuple(_strides(m) for m in self.element_maps(kv))
+        st = self._map_strides(kv)
         if None in st:
             fail("kvpos paged strides", "an affine block layout", "a permuted element map")
         return st
@@ -99,7 +107,7 @@ class PagedLayout:
     def key_blocks(self, kv: torch.Tensor) -> torch.Tensor:
         """Every block's keys as a strided view [blocks, H, bs, D] of kv (write through it); ValueError where the
         key map is not affine."""
-        view = _block_view(kv, self.element_maps(kv)[0])
+        view = _block_view(kv, self._map_strides(kv)[0])
         if view is None:
             fail("kvpos paged key_blocks", "an affine block layout", "a permuted element map",
                  "use gather_blocks and attention in torch for this layout")
@@ -116,11 +124,10 @@ def _strides(m: torch.Tensor) -> tuple[int, int, int] | None:
     return (base, so, sd) if torch.equal(m, want) else None
 
 
-def _block_view(kv: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
-    """The elements of map m [bs, D] of every block as a strided view [blocks, H, bs, D] of kv, or None when m is
-    not affine."""
+def _block_view(kv: torch.Tensor, st: tuple[int, int, int] | None) -> torch.Tensor | None:
+    """The elements of a map with strides st (_strides) of every block as a strided view [blocks, H, bs, D] of kv,
+    or None when the map is not affine (st None)."""
     nb, H, bs, d2 = kv.shape
-    st = _strides(m)
     if st is None:
         return None
     base, so, sd = st
@@ -128,11 +135,12 @@ def _block_view(kv: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
     return flat.as_strided((nb, H, bs, d2 // 2), (H * bs * d2, bs * d2, so, sd), flat.storage_offset() + base)
 
 
-def _in_token_order(kv: torch.Tensor, m: torch.Tensor, block_ids: torch.Tensor, s: int) -> torch.Tensor:
-    """The elements of map m [bs, D] of blocks block_ids [n], as [H, s, D] in token order."""
+def _in_token_order(kv: torch.Tensor, m: torch.Tensor, st: tuple[int, int, int] | None, block_ids: torch.Tensor,
+                    s: int) -> torch.Tensor:
+    """The elements of map m [bs, D] (strides st, _strides) of blocks block_ids [n], as [H, s, D] in token order."""
     nb, H, bs, d2 = kv.shape
     D, n = d2 // 2, block_ids.numel()
-    view = _block_view(kv, m)
+    view = _block_view(kv, st)
     if view is None:
         x = kv.view(nb, H, bs * d2).index_select(0, block_ids).index_select(2, m.reshape(-1)).view(n, H, bs, D)
     else:

@@ -162,7 +162,7 @@ def test_paged_block_gather_returns_the_written_keys_and_values_in_token_order(d
 def test_paged_token_order_read_follows_any_element_map(kind):
     """The block read behind gather_blocks, on a strided element map (the view path) and on a permuted one (the
     index path), against reading each element through the map one by one."""
-    from kvpos.integrations.vllm.paged import _in_token_order
+    from kvpos.integrations.vllm.paged import _in_token_order, _strides
 
     g = torch.Generator().manual_seed(1)
     nb, H, bs, D, s = 6, 2, 4, 8, 13
@@ -172,7 +172,8 @@ def test_paged_token_order_read_follows_any_element_map(kind):
     else:
         m = torch.randperm(bs * 2 * D, generator=g)[: bs * D].view(bs, D)
     block_ids = torch.tensor([4, 0, 5, 1])
-    got = _in_token_order(kv, m, block_ids, s)
+    assert (_strides(m) is None) == (kind == "permuted")
+    got = _in_token_order(kv, m, _strides(m), block_ids, s)
     flat = kv.view(nb, H, bs * 2 * D)
     want = torch.stack([torch.stack([flat[block_ids[t // bs], h, m[t % bs]] for t in range(s)]) for h in range(H)])
     assert got.shape == (H, s, D) and torch.equal(got, want)
