@@ -47,11 +47,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTION = "Based on the passages above, what is the most important lesson for people who start something new?"
 
 
-def _engine(model: str, store: str, max_len: int, seqs: int, attention: bool = False, **kw):
+def _engine(model: str, store: str, max_len: int, seqs: int, attention: bool = False, block_size: int | None = None,
+            **kw):
     from vllm import LLM
 
     from kvpos.integrations.vllm.engine import engine_kwargs
 
+    if block_size is not None:
+        kw["block_size"] = block_size
     return LLM(**engine_kwargs(model, store, attention=attention), dtype="float32", enforce_eager=True,
                max_model_len=max_len,
                max_num_batched_tokens=max_len, max_num_seqs=seqs, enable_prefix_caching=True, seed=0, **kw)
@@ -269,6 +272,10 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp-context", type=int, default=2048)
     ap.add_argument("--tp-tokens", type=int, default=32)
     ap.add_argument("--store", default=None, help="redis://host:port/db (default: a private redis-server)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM's KV block size for every engine of the run (default: vLLM's; the connector loads "
+                         "whole blocks, so a request recomputes up to one block of passage tokens besides its "
+                         "question)")
     ap.add_argument("--seed", type=int, default=None, help="default 1; with --data 0 (the items bench/rag_eval.py runs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--attention", action="store_true",
@@ -299,6 +306,8 @@ def _args(argv=None) -> argparse.Namespace:
     a.seed = (0 if a.data else 1) if a.seed is None else a.seed
     if a.report:
         return a
+    if a.block_size is not None and (a.block_size < 1 or a.block_size & (a.block_size - 1)):
+        ap.error(f"--block-size: expected a power of two (vLLM's CPU backend), got {a.block_size}")
     for name in ("contexts", "passage_tokens", "reps", "concurrent", "tp_context", "tp_tokens", "acc_tokens", "n",
                  "max_new", "prefix_every"):
         v = getattr(a, name)
@@ -317,7 +326,8 @@ def run(a: argparse.Namespace, store: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(a.model)
     kv = a.engine == "kvpos"
-    llm = _engine(a.model, store, max(a.contexts + [a.tp_context, 2048]), max(8, a.concurrent), attention=kv)
+    llm = _engine(a.model, store, max(a.contexts + [a.tp_context, 2048]), max(8, a.concurrent), attention=kv,
+                  block_size=a.block_size)
     rb = RequestBuilder(tok)
     rows = []
     with tqdm(total=len(a.contexts) * a.reps, desc=f"TTFT (vLLM, {a.engine or 'stock'} attention)",
@@ -350,7 +360,8 @@ def run_qa(a: argparse.Namespace, store: str) -> dict:
     rb = RequestBuilder(tok, turns=a.format == "turns", question_prefix=rag_qa.question_prefix(instruction))
     longest = max(len(rb.request(x["paragraphs"], x["question"])[0]["prompt_token_ids"]) for x in items)
     max_len = 1 << (longest + a.max_new + 64).bit_length()
-    llm = _engine(a.model, store, max_len, 8, attention=a.attention, max_logprobs=vllm_qa.FULL_VOCAB,
+    llm = _engine(a.model, store, max_len, 8, attention=a.attention, block_size=a.block_size,
+                  max_logprobs=vllm_qa.FULL_VOCAB,
                   disable_log_stats=False)
     meta = {"data": a.data,
             "format": a.format, "model": os.path.basename(a.model.rstrip("/")), "split": a.split,

@@ -52,10 +52,19 @@ class PagedLayout:
         return self.maps
 
     def write(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v: [s, H, D] into slots [s] int64 (block * block size + offset) of the layer tensor `kv`."""
+        """k, v: [s, H, D] (any strides) into slots [s] int64 (block * block size + offset) of the layer tensor
+        `kv`: where both element maps are strided views, one indexed copy through each view (what vLLM's cache op
+        writes, element for element; tested against it), else vLLM's own `cpu_attn_reshape_and_cache`."""
         self.element_maps(kv)
+        kst, vst = self._map_strides(kv)
+        if kst is not None and vst is not None:
+            bs = kv.shape[2]
+            b, o = slots // bs, slots % bs
+            _block_view(kv, kst)[b, :, o] = k.to(kv.dtype)
+            _block_view(kv, vst)[b, :, o] = v.to(kv.dtype)
+            return
         kc, vc = halves(kv)
-        vllm_ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self.isa)
+        vllm_ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), kc, vc, slots, self.isa)
 
     def gather(self, kv: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [H, s, D] of the tokens at (blocks [s], offs [s]) of the layer tensor `kv`."""

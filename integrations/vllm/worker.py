@@ -143,8 +143,8 @@ class WorkerSide:
         for layers, spec in self._spec_groups():
             sel = slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
             raw = chunk.raw_keys[sel, :, part].to(dtype)                     # [G, H, s, D] (a view when it can)
-            k = (raw if self.raw else rotate(raw, pos, spec)).transpose(1, 2).contiguous()   # [G, s, H, D]
-            v = chunk.values[sel, :, part].to(dtype).transpose(1, 2).contiguous()
+            k = (raw if self.raw else rotate(raw, pos, spec)).transpose(1, 2)   # [G, s, H, D] views
+            v = chunk.values[sel, :, part].to(dtype).transpose(1, 2)
             for g, l in enumerate(layers):
                 self.paged.write(self.kv[l], k[g], v[g], slots)
 

@@ -204,6 +204,30 @@ def test_paged_block_copy_and_key_view_hold_what_vllms_cache_op_wrote(dtype):
         paged.copy_blocks(kv, block_ids, dst, 5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_write_equals_vllms_cache_op(dtype):
+    """PagedLayout.write (indexed copies through the strided views where the layout is affine) leaves the layer
+    tensor exactly as vLLM's own cpu_attn_reshape_and_cache does: scattered slots, a partial block, strided inputs,
+    block sizes whose bf16 layout is packed (the op itself) and not."""
+    import vllm._custom_ops as vllm_ops
+    from kvpos.integrations.vllm.paged import PagedLayout, halves
+
+    g = torch.Generator().manual_seed(5)
+    for bs in (16, 128):
+        nb, H, D = 6, 3, 64
+        s = 2 * bs + 5
+        slots = torch.randperm(nb * bs, generator=g)[:s]
+        k = torch.randn(H, s, D, generator=g).to(dtype).transpose(0, 1)          # [s, H, D], not contiguous
+        v = torch.randn(H, s, D, generator=g).to(dtype).transpose(0, 1)
+        paged = PagedLayout(dtype)
+        got = torch.randn(nb, H, bs, 2 * D, generator=g).to(dtype)
+        want = got.clone()
+        paged.write(got, k, v, slots)
+        kc, vc = halves(want)
+        vllm_ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), kc, vc, slots, paged.isa)
+        assert torch.equal(got, want), (dtype, bs)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_keys_rotate_in_place_in_vllms_blocks_through_the_fused_kernel(interleaved, monkeypatch):
     """The scratch path's in-place rotation of the key view (token-major in vLLM's fp32 CPU blocks) is served by
