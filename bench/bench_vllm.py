@@ -273,9 +273,9 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp-tokens", type=int, default=32)
     ap.add_argument("--store", default=None, help="redis://host:port/db (default: a private redis-server)")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="vLLM's KV block size for every engine of the run (default: vLLM's; the connector loads "
-                         "whole blocks, so a request recomputes up to one block of passage tokens besides its "
-                         "question)")
+                    help="vLLM's KV block size for every engine of the run (default: vLLM's; CPU_ATTN takes "
+                         "multiples of 32; the connector loads whole blocks, so a request recomputes up to one "
+                         "block of passage tokens besides its question)")
     ap.add_argument("--seed", type=int, default=None, help="default 1; with --data 0 (the items bench/rag_eval.py runs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--attention", action="store_true",
