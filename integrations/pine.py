@@ -14,6 +14,12 @@ before it, and so on (kvpos.posmap.pine_shifts / offset_attend). Anchor and ques
 The documents' KV never depends on their order (each encoded alone after the anchor), so neither does the answer,
 up to exact ties in the importance sort and float summation order.
 
+Sliding-window layers (Gemma 3, Qwen2 / Mistral with a window): transformers hides keys by SLOT distance, which
+would make which documents such a layer sees depend on their order in the cache. Under PINE the window follows
+the positions keys are read at instead (kvpos.posmap.shifted_window: query position - read position < window), the
+importance is computed over every causal key, and those layers take the torch path (the fused decode kernel takes
+one mask for all heads). A custom mask inside the window is refused (`unwindowed`).
+
 PINE's full form (`pine_prefill`): the documents are prefilled together, each right-aligned to end at E (the
 prefix length + all document tokens), under `PineDocPhase`: the rows of document i read the prefix plainly, their
 own document causally, and every other document bidirectionally at importance-ranked positions per head (PINE's
@@ -34,7 +40,8 @@ import torch
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 from kvpos.compose import SEG_CHUNK0
-from kvpos.posmap import offset_attend, pair_importance, pair_shifts, pine_shifts, rotate_heads, segment_importance
+from kvpos.posmap import (offset_attend, pair_importance, pair_shifts, pine_shifts, rotate_heads, segment_importance,
+                          shifted_window)
 from kvpos.rope import cos_sin, unrotate
 from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, bind_attention, extend
 
@@ -92,14 +99,41 @@ class PineLiteBackend:
         if n == 0:
             return call.plain()                     # no documents: plain attention
         allowed = call.allowed().expand(B, 1, Lq, N)
+        if call.window is not None:                 # importance over every causal key; the window at PINE's positions
+            allowed = unwindowed(cache, call, allowed, torch.arange(N - Lq, N), "PineLiteBackend")
         q_raw = unrotate(call.query, pos[:, N - Lq:], layer.spec)
         imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
         shift = pine_shifts(imp, start, size, end)
-        out = _decode_fused(cache, call, doc, shift, allowed) if Lq == 1 else None
+        if call.window is not None:
+            allowed = allowed & shifted_window(pos[:, N - Lq:], pos, doc, shift, call.window)   # [B, Hq, q, N]
+        out = _decode_fused(cache, call, doc, shift, allowed) if Lq == 1 and call.window is None else None
         self.read_counts["torch" if out is None else "fused"] += 1
         if out is None:
             out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
+
+
+def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, q_slots: torch.Tensor,
+               what: str, own: torch.Tensor | None = None) -> torch.Tensor:
+    """The visibility of a sliding-window layer's call WITHOUT transformers' slot window: each query row (at cache
+    slot q_slots [q]) sees the cache's visible slots up to its own; `own` [q, N] bool, if given, also shows keys after
+    the row (PINE's document phase: other documents bidirectionally). Checked against the call's mask inside the
+    window (slot distance < window), where the two must agree: a custom mask there is refused, since the window
+    could not be moved to PINE's positions without knowing what it hid. allowed [B, 1, q, N] -> [B, 1, q, N]."""
+    N = call.n_keys
+    slots = torch.arange(N, device=allowed.device)
+    q_slots = q_slots.to(allowed.device)
+    seen = slots[None] <= q_slots[:, None]
+    if own is not None:
+        seen = seen | own.to(allowed.device)
+    base = cache.table.visible[:, :N].to(allowed.device)[:, None, None, :] & seen[None, None]
+    near = (slots[None] > q_slots[:, None] - call.window)[None, None]
+    if not torch.equal(allowed & near, base & near) or bool((allowed & ~base).any()):
+        fail(f"{what} layer {call.layer} (sliding window {call.window})",
+             "the default mask (the cache's visible slots, causal) inside the window, so that the window can be "
+             "applied at PINE's positions instead of the cache's slot order", "a custom mask",
+             "run PINE on sliding-window layers with the default mask")
+    return base.expand_as(allowed)
 
 
 def _decode_fused(cache: PositionedKV, call: AttentionCall, doc: torch.Tensor, shift: torch.Tensor,
@@ -153,6 +187,9 @@ class PineDocPhase:
         g = Hq // k_raw.shape[1]
         keys, vals = k_raw.float().repeat_interleave(g, 1), layer.values.float().repeat_interleave(g, 1)
         allowed = call.allowed().expand(B, 1, Lq, N)
+        if call.window is not None:                 # the window at PINE's positions, not the slot order
+            other = (key_doc[0][None, :] >= 0) & (key_doc[0][None, :] != row_doc[0][:, None])     # [Lq, N]
+            allowed = unwindowed(cache, call, allowed, torch.arange(N - Lq, N), "PineDocPhase", other)
         out = torch.empty(B, Hq, Lq, vals.shape[-1])
         at = 0
         for i, size in enumerate(self.sizes):
@@ -161,7 +198,11 @@ class PineDocPhase:
             c, s = cos_sin(pos[:, None, :] - sh, spec)                                      # [B, Hq, N, R/2]
             k = rotate_heads(keys, c, s, spec, spec.attention_scaling)
             sc = (call.query[:, :, rows].float() @ k.transpose(-1, -2)) * call.scaling
-            sc = sc.masked_fill(~allowed[:, :, rows], float("-inf"))
+            ok = allowed[:, :, rows]
+            if call.window is not None:
+                read_at = pos[:, None, None, :] - sh[:, :, None, :]                          # [B, Hq, 1, N]
+                ok = ok & (pos[:, N - Lq:][:, rows][:, None, :, None] - read_at < call.window)
+            sc = sc.masked_fill(~ok, float("-inf"))
             out[:, :, rows] = torch.softmax(sc, -1).nan_to_num(0.0) @ vals
             at += size
         return AttentionCall.finish(out.to(call.query.dtype))

@@ -29,7 +29,7 @@ from .rope import RopeSpec, _pairs, cos_sin
 from .window import WindowConfig
 
 __all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "factored_tables", "rotate_heads", "scaled_attend", "position_awareness",
-           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "pair_importance", "pair_shifts",
+           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "shifted_window", "pair_importance", "pair_shifts",
            "window_decode_map", "MS_POE_MIN",
            "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
 
@@ -245,6 +245,24 @@ def pair_shifts(importance: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
     sz = size[:, None, None, :].expand_as(importance).gather(-1, order)
     before = torch.cumsum(sz, -1) - sz
     return torch.empty_like(before).scatter_(-1, order, before)
+
+
+def shifted_window(q_pos: torch.Tensor, k_pos: torch.Tensor, doc: torch.Tensor, shift: torch.Tensor,
+                   window: int) -> torch.Tensor:
+    """A sliding window over the positions keys are READ at, for per-head document shifts: key t is inside the
+    window of query row r and head h when q_pos[b, r] - (k_pos[b, t] + shift[b, h, r, doc[b, t]]) < window
+    (slots with doc -1 at their own positions), the rule transformers applies to slot distances. Under a
+    re-positioning policy (PINE) the window must follow the positions the keys are read at, or which documents a
+    sliding layer sees depends on their order in the cache. q_pos [B, q], k_pos [B, N] int64, doc [B, N] int64,
+    shift [B, Hq, q, n] int64 (n >= 1), window >= 1. Returns bool [B, Hq, q, N]."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        fail("shifted_window window", "an int >= 1 (the layer's sliding window)", window)
+    B, Hq, Lq, _ = shift.shape
+    N = k_pos.shape[1]
+    pick = doc.clamp_min(0)[:, None, None, :].expand(B, Hq, Lq, N)
+    moved = torch.where((doc >= 0)[:, None, None, :], shift.gather(-1, pick), torch.zeros_like(pick))
+    read_at = k_pos.long()[:, None, None, :] + moved
+    return q_pos.long()[:, None, :, None] - read_at < window
 
 
 def offset_attend(q_h: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, shift: torch.Tensor,

@@ -14,7 +14,9 @@ from kvpos.integrations.pine import PineLiteBackend, document_layout
 
 
 def _setup(arch, n_docs=4, seed=0):
-    model = tiny_model(arch, **({"sliding_window": 4096} if arch == "gemma3" else {}))[0]
+    """gemma3: its tiny model's sliding window of 8 on layer 0, narrower than the documents (PINE then moves the
+    window to the positions it reads keys at)."""
+    model = tiny_model(arch)[0]
     g = torch.Generator().manual_seed(seed)
     anchor = torch.randint(3, 128, (5,), generator=g)
     docs = [torch.randint(3, 128, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g)
@@ -31,7 +33,7 @@ def _answer(model, composer, docs, q, backend, steps=2, storage=None):
 
 
 @pytest.mark.parametrize("arch,storage", [("llama", None), ("qwen2", None), ("phi3", None), ("cohere", None),
-                                          ("llama", "raw")])
+                                          ("llama", "raw"), ("gemma3", None), ("gemma3", "raw")])
 def test_pine_lite_answers_do_not_depend_on_the_order_of_the_documents(arch, storage):
     """storage="raw": the decode steps through the fused kernel, invariant too."""
     model, composer, docs, q = _setup(arch)
@@ -53,6 +55,9 @@ class ExplicitPine:
 
     needs_cache = True
 
+    def __init__(self, config):
+        self.config = config
+
     def __call__(self, call, binding):
         cache = binding.cache_layer_keys(call)
         layer = cache.layers[call.layer]
@@ -66,7 +71,11 @@ class ExplicitPine:
         end = max(start[d] + len(slots[d]) for d in range(n))             # where the documents end
         q_raw = unrotate_ref(call.query, pos[:, N - Lq:], layer.spec)
         k_raw, v = layer.raw_keys.double(), layer.values.double()
-        allowed = call.allowed()
+        cfg = self.config
+        window = cfg.sliding_window if (getattr(cfg, "layer_types", None) or [""] * 99)[call.layer] == \
+            "sliding_attention" else None
+        # every earlier slot (no hidden slots here): importance over all of them, the window at the read distances
+        allowed = (torch.arange(N)[None] <= torch.arange(N - Lq, N)[:, None])[None, None]
         g = Hq // k_raw.shape[1]
         out = torch.zeros(B, Hq, Lq, v.shape[-1], dtype=torch.float64)
         for h in range(Hq):
@@ -85,20 +94,23 @@ class ExplicitPine:
                 for j in range(N):
                     t = int(pos[0, j]) if doc[j] < 0 else new_start[doc[j]] + int(pos[0, j]) - start[doc[j]]
                     dist[0, i, j] = p - t
+            ok = allowed[:, 0] & (dist < window) if window is not None else allowed[:, 0]
             out[:, h:h + 1] = distance_attend_ref(q_raw[:, h:h + 1], kh, v[:, h // g: h // g + 1], dist,
-                                                  allowed[:, 0], layer.spec, call.scaling)
+                                                  ok, layer.spec, call.scaling)
         return AttentionCall.finish(out.to(call.query.dtype))
 
 
 @pytest.mark.parametrize("arch,storage", [("llama", None), ("phi3", None), ("cohere", None), ("llama", "raw"),
-                                          ("phi3", "raw"), ("qwen2", "raw")])
+                                          ("phi3", "raw"), ("qwen2", "raw"), ("gemma3", None), ("gemma3", "raw")])
 def test_pine_lite_equals_the_explicit_position_reference_in_prefill_and_decode(arch, storage):
     """storage="raw": decode steps run the fused position-map kernel (read_counts says so)."""
     model, composer, docs, q = _setup(arch, seed=1)
     backend = PineLiteBackend()
     got = _answer(model, composer, docs, q, backend, storage=storage)
-    assert backend.read_counts["fused"] == (2 * model.config.num_hidden_layers if storage == "raw" else 0)
-    want = _answer(model, composer, docs, q, ExplicitPine())
+    full_layers = sum(t == "full_attention" for t in getattr(model.config, "layer_types", None)
+                      or ["full_attention"] * model.config.num_hidden_layers)
+    assert backend.read_counts["fused"] == (2 * full_layers if storage == "raw" else 0)   # windowed layers: torch
+    want = _answer(model, composer, docs, q, ExplicitPine(model.config))
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
 
 
@@ -121,3 +133,16 @@ def test_document_layout_and_refusals():
     assert end.tolist() == [6]                    # sequential: the first start + all document tokens
     with pytest.raises(ValueError, match="PINE-lite documents: expected segments SEG_CHUNK0"):
         document_layout(torch.tensor([[1, 17]]), torch.tensor([[0, 1]]))
+
+
+def test_pine_lite_on_a_sliding_window_layer_refuses_a_custom_mask_it_cannot_move():
+    """The window is re-applied at PINE's positions from the default visibility; a custom mask inside the window
+    would be silently overridden, so it is refused by name."""
+    model, composer, docs, q = _setup("gemma3")
+    cache, _ = composer.compose(docs, layout="sequential")
+    T, S = cache.num_slots, q.shape[1]
+    mask = torch.ones(1, 1, S, T + S, dtype=torch.bool).tril(T)
+    mask[..., T - 1] = False                                     # hide the last document token from the question
+    with pytest.raises(ValueError, match=r"PineLiteBackend layer 0 \(sliding window 8\).*default mask"):
+        extend(model, cache, q, attention_mask=mask, attention=PineLiteBackend())
+    assert cache.num_slots == T                                 # the failed forward left the cache as it was

@@ -23,8 +23,8 @@ class ExplicitPineDocs:
 
     needs_cache = True
 
-    def __init__(self, sizes):
-        self.sizes = sizes
+    def __init__(self, sizes, config):
+        self.sizes, self.config = sizes, config
 
     def __call__(self, call, binding):
         cache = binding.cache_layer_keys(call)
@@ -36,10 +36,15 @@ class ExplicitPineDocs:
         q_raw = unrotate_ref(call.query, pos[:, P:], layer.spec)
         k_raw, v = layer.raw_keys.double(), layer.values.double()
         g = Hq // k_raw.shape[1]
-        allowed = call.allowed()
         first = [P + sum(self.sizes[:i]) for i in range(n)]
         slots = {d: list(range(first[d], first[d] + self.sizes[d])) for d in range(n)}
         doc_of = {s: d for d in range(n) for s in slots[d]}
+        # the layout's visibility (prefix, other documents, own document causally); a sliding layer's window is
+        # applied below at the explicit distances
+        allowed = torch.tensor([[s < P or doc_of[s] != doc_of[P + r] or s <= P + r for s in range(N)]
+                                for r in range(Lq)])[None, None]
+        types = getattr(self.config, "layer_types", None)
+        window = self.config.sliding_window if types and types[call.layer] == "sliding_attention" else None
         out = torch.zeros(B, Hq, Lq, v.shape[-1], dtype=torch.float64)
         for h in range(Hq):
             kh, vh = k_raw[:, h // g: h // g + 1], v[:, h // g: h // g + 1]
@@ -59,8 +64,9 @@ class ExplicitPineDocs:
                 for a_, r in enumerate(slots[i]):
                     for s in range(N):
                         dist[0, a_, s] = int(pos[0, r]) - (int(pos[0, s]) - shift.get(doc_of.get(s), 0))
+                ok = allowed[:, 0][:, rows] & (dist < window) if window is not None else allowed[:, 0][:, rows]
                 out[:, h:h + 1, rows] = distance_attend_ref(q_raw[:, h:h + 1, rows], kh, vh, dist,
-                                                            allowed[:, 0][:, rows], layer.spec, call.scaling)
+                                                            ok, layer.spec, call.scaling)
         return AttentionCall.finish(out.to(call.query.dtype))
 
 
@@ -81,7 +87,7 @@ def _reference_prefill(model, prefix, docs):
         at += n
     mask = torch.cat([torch.ones(S, P, dtype=torch.bool), seen], 1)[None, None]
     extend(model, cache, torch.cat(docs)[None], positions=torch.tensor([pos]), attention_mask=mask,
-           attention=ExplicitPineDocs(sizes))
+           attention=ExplicitPineDocs(sizes, model.config))
     at = P
     for j, n in enumerate(sizes):
         cache.set_segment_(at, at + n, 16 + j)
@@ -96,18 +102,18 @@ def _ask(model, cache, q, backend, steps=2):
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma3"])
 def test_pine_equals_the_explicit_reference_of_its_document_phase_and_question(arch):
     model, _, docs, q = _setup(arch, seed=2)
     prefix = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(9))
     got = _ask(model, pine_prefill(model, prefix, docs), q, PineLiteBackend())
-    want = _ask(model, _reference_prefill(model, prefix, docs), q, ExplicitPine())
+    want = _ask(model, _reference_prefill(model, prefix, docs), q, ExplicitPine(model.config))
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
     lite, _ = ChunkComposer(model, prefix[0]).compose(docs, layout="sequential")   # documents encoded apart
     assert (_ask(model, lite, q, PineLiteBackend()) - got).abs().max() > 1e-3   # the document phase matters
 
 
-@pytest.mark.parametrize("arch,storage", [("llama", None), ("cohere", None), ("llama", "raw")])
+@pytest.mark.parametrize("arch,storage", [("llama", None), ("cohere", None), ("llama", "raw"), ("gemma3", None)])
 def test_pine_answers_do_not_depend_on_the_order_of_the_documents(arch, storage):
     model, _, docs, q = _setup(arch)
     prefix = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(9))

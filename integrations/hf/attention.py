@@ -58,6 +58,7 @@ class AttentionCall:
     n_keys: int = 0
     read: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None   # lazy (key, value) of a raw hand-off
     handed_by: PositionedKV | None = None                                 # the cache that handed its raw keys
+    window: int | None = None     # the layer's sliding window (keys at slot distance >= window hidden), None: full
 
     @property
     def key(self) -> torch.Tensor:
@@ -293,10 +294,17 @@ def _call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | None
     call = AttentionCall(module.layer_idx, query, key, value, attention_mask, sm, lambda: None,
                          key.shape[2] if key is not None else read.n,
                          None if read is None else (lambda: _rotated(read)),
-                         None if read is None else read.cache)
+                         None if read is None else read.cache, _window(module, kwargs))
     call._plain = lambda: sdpa_attention_forward(module, query, call.key, call.value, attention_mask,
                                                  dropout=dropout, scaling=scaling, **kwargs)[0]
     return call
+
+
+def _window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """The sliding window transformers applies to this module's mask (its `sliding_window` argument, or the
+    module's attribute), None for a full-attention layer."""
+    w = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    return None if w is None else int(w)
 
 
 def _kvpos_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
