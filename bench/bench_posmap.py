@@ -43,10 +43,15 @@ from length_eval import policies
 N_DOCS, ANCHOR, QUESTION = 8, 32, 32
 
 
+def head_dim(cfg) -> int:
+    """The per-head width of `cfg` (Gemma 3 states it: 256, not hidden / heads = 160)."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def filled_cache(model, n: int, storage: str, seed: int) -> PositionedCache:
     """A cache of `storage` holding n random slots laid out as anchor, N_DOCS documents, question (docstring)."""
     cfg = model.config
-    H, D = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    H, D = cfg.num_key_value_heads, head_dim(cfg)
     g = torch.Generator().manual_seed(seed)
     kv = [(torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g))
           for _ in range(cfg.num_hidden_layers)]
@@ -63,7 +68,7 @@ def filled_cache(model, n: int, storage: str, seed: int) -> PositionedCache:
 def attention_level(model, cache: PositionedCache, n: int, scales, seed: int) -> dict[str, callable]:
     """One decode query per layer over every layer of `cache`: the plain fused kernel and the mapped ones."""
     cfg = model.config
-    L, Hq, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    L, Hq, D = cfg.num_hidden_layers, cfg.num_attention_heads, head_dim(cfg)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, Hq, D, generator=g)
     q_docs = torch.randn(1, Hq, N_DOCS + 1, D, generator=g)
