@@ -19,7 +19,9 @@ Policies (the model's trained length L = config.max_position_embeddings, 8192 fo
   streaming_llm  4 sinks + the last L/2 tokens, sinks at their renumbered distance, middle unread
   lm_infinite    10 global tokens + the last L/2, global tokens outside the window at distance L/2
   string         distances >= L/3 read as d - L/3 + 128 (STRING's default offset and local value)
-  wrope          kvpos windowed retrieval: 8 sinks + 64 window exact, far keys chosen (top 5%) and scored at 2048
+  wrope          kvpos windowed retrieval: 8 sinks + 64 window exact, far keys chosen (top 5%) and scored at 2048;
+                 sinks outside the window at their true distance (WindowConfig.sink_distance=None)
+  wrope_capped   wrope with the sinks outside the window scored at 2048 too: no distance past 2048 is ever read
 """
 from __future__ import annotations
 
@@ -45,7 +47,9 @@ def policies(trained: int) -> dict[str, WindowConfig | None]:
     return {"plain": None, "streaming_llm": streaming_llm(trained // 2, sinks=4),
             "lm_infinite": lm_infinite(trained // 2, n_global=10), "string": string_shift(trained // 3, 128),
             "wrope": WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector="exact",
-                                  far_scores="windowed")}
+                                  far_scores="windowed"),
+            "wrope_capped": WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector="exact",
+                                         far_scores="windowed", sink_distance=2048)}
 
 
 @torch.no_grad()

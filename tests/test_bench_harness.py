@@ -353,6 +353,15 @@ def test_length_eval_summary_buckets_nll_by_position_and_pairs_prefill_cost_with
     assert (plain["passkey"], lmi["passkey"]) == (100.0, 0.0) and lmi["prefill_vs_plain"] == 2.5
 
 
+def test_length_eval_policies_are_documented_and_wrope_capped_differs_only_in_the_sink_distance():
+    import dataclasses
+
+    pol = length_eval.policies(8192)
+    assert all(f"\n  {name} " in length_eval.__doc__ for name in pol)
+    assert pol["wrope"].sink_distance is None and pol["wrope_capped"].sink_distance == pol["wrope"].distance
+    assert dataclasses.replace(pol["wrope_capped"], sink_distance=None) == pol["wrope"]
+
+
 def test_gold_moved_puts_the_gold_paragraphs_at_each_position_and_reports_by_position(tmp_path):
     item = {"id": "q", "paragraphs": ["a", "G1", "b", "G2", "c"], "gold": [1, 3], "answers": ["x"], "question": "?"}
     moved = rag_qa.gold_moved([item], [0, 3])
