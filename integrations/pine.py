@@ -17,8 +17,9 @@ up to exact ties in the importance sort and float summation order.
 Sliding-window layers (Gemma 3, Qwen2 / Mistral with a window): transformers hides keys by SLOT distance, which
 would make which documents such a layer sees depend on their order in the cache. Under PINE the window follows
 the positions keys are read at instead (kvpos.posmap.shifted_window: query position - read position < window), the
-importance is computed over every causal key, and those layers take the torch path (the fused decode kernel takes
-one mask for all heads). A custom mask inside the window is refused (`unwindowed`).
+importance is computed over every causal key, and a decode step over storage="raw" gives the fused kernel one
+mask row per query head (each head moves the documents by its own shifts). A custom mask inside the window is
+refused (`unwindowed`).
 
 PINE's full form (`pine_prefill`): the documents are prefilled together, each right-aligned to end at E (the
 prefix length + all document tokens), under `PineDocPhase`: the rows of document i read the prefix plainly, their
@@ -106,7 +107,7 @@ class PineLiteBackend:
         shift = pine_shifts(imp, start, size, end)
         if call.window is not None:
             allowed = allowed & shifted_window(pos[:, N - Lq:], pos, doc, shift, call.window)   # [B, Hq, q, N]
-        out = _decode_fused(cache, call, doc, shift, allowed) if Lq == 1 and call.window is None else None
+        out = _decode_fused(cache, call, doc, shift, allowed) if Lq == 1 else None
         self.read_counts["torch" if out is None else "fused"] += 1
         if out is None:
             out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
@@ -139,12 +140,15 @@ def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, 
 def _decode_fused(cache: PositionedKV, call: AttentionCall, doc: torch.Tensor, shift: torch.Tensor,
                   allowed: torch.Tensor) -> torch.Tensor | None:
     """One query row over storage="raw" by the position-map kernel: variant 0 the query as it is (non-document
-    slots), variant d + 1 the query turned back by document d's shift; [B, Hq, 1, D] float32 or None."""
+    slots), variant d + 1 the query turned back by document d's shift; allowed [B, 1 or Hq, 1, N] (one row per
+    query head on a sliding-window layer: the window at each head's read distances); [B, Hq, 1, D] float32 or
+    None."""
     B, Hq, _, n = shift.shape
     c, s = cos_sin((-shift).reshape(B, Hq, n), cache.layers[call.layer].spec)
     turned = rotate_heads(call.query.float().expand(B, Hq, n, -1), c, s, cache.layers[call.layer].spec, 1.0)
     q = torch.cat([call.query.float(), turned], 2)                                              # [B, Hq, n+1, D]
-    mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
+    mask = torch.zeros(allowed.shape[0], allowed.shape[1], allowed.shape[-1]).masked_fill_(~allowed[:, :, 0],
+                                                                                          float("-inf"))
     out = cache.decode_mapped(call.layer, q, mask, call.scaling, seg=doc + 1)
     return None if out is None else out[:, :, None]
 

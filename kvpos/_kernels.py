@@ -91,7 +91,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype = None
     for name in ("kvpos_decode_heads_f32", "kvpos_decode_heads_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [vp] * 8 + [i64] + [vp] * 3 + [i64] * 14 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [vp] * 8 + [i64] + [vp] * 3 + [i64] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
     lib.kvpos_decode_paged_f32.argtypes = [vp] * 7 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
     lib.kvpos_decode_paged_f32.restype = None
@@ -312,7 +312,8 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     values as decode_raw_kernel; cos / sin [Rt, Bc, N, R/2] float32 (Bc in {1, B}): Rt rotation tables of the slots,
     already multiplied by the RoPE attention scaling; head_table [Hq] int64 in [0, Rt): the table query head h
     rotates keys with; seg [Bs, N] int (Bs in {1, B}) in [0, V) or None: the variant of the query each key is scored
-    with (None: variant 0). Per-head position scales (Ms-PoE) are tables; per-(head, segment) offsets (PINE) are
+    with (None: variant 0); mask None or additive float32 [Bm, N] or [Bm, Hm, N] (Bm in {1, B}, Hm in {1, Hq}: one
+    row for all heads, or one per query head). Per-head position scales (Ms-PoE) are tables; per-(head, segment) offsets (PINE) are
     query variants. With fpos [Bc, N] int64 (the slots' integer positions) the tables are factored instead
     (`kvpos.posmap.factored_tables`): cos / sin [Rt, NT, R/2], the angle of position t the sum of row t mod 64
     (unscaled) and row 64 + t // 64 (times the attention scaling), multiplied in registers: tables of a few KB
@@ -348,9 +349,12 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     sg = None if seg is None else seg.to(torch.int32).reshape(-1, N).contiguous()   # range: checked by the kernel
     if sg is not None and sg.shape[0] not in (1, B):
         fail("decode_heads_kernel seg", f"[1 or B={B}, N={N}] ints", list(seg.shape))
-    m = None if mask is None else mask.reshape(-1, N).to(torch.float32).contiguous()
-    if (Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0 or q.shape[0] != B or q.shape[3] != D
-            or (m is not None and m.shape[0] not in (1, B))):
+    m = None if mask is None else mask.to(torch.float32).reshape(1, 1, -1) if mask.dim() < 2 else \
+        mask.to(torch.float32).reshape(mask.shape[0], -1, mask.shape[-1]).contiguous()
+    if m is not None and (mask.dim() > 3 or m.shape[0] not in (1, B) or m.shape[1] not in (1, Hq) or m.shape[2] != N):
+        fail("decode_heads_kernel mask", f"additive float [1 or B={B}, N={N}] or [1 or B, 1 or Hq={Hq}, N]",
+             list(mask.shape))
+    if Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0 or q.shape[0] != B or q.shape[3] != D:
         return None
     lib = _get()
     if lib is None:
@@ -365,7 +369,7 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
              0 if sg is None else sg.data_ptr(), 0 if fp is None else fp.data_ptr(), NT,
              0 if m is None else m.data_ptr(), out.data_ptr(), work.data_ptr(),
              B, Hkv, G, V, N, D, rotary_dim, Bc, 1 if sg is None else sg.shape[0], 1 if m is None else m.shape[0],
-             k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
+             1 if m is None else m.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
              max(1, torch.get_num_threads()))
     if bad & 1:
         fail("decode_heads_kernel seg", f"ints in [0, V={V}) (the query variants)",

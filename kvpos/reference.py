@@ -196,8 +196,8 @@ def decode_heads_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, kpos
     """What the read-time position-map decode kernel computes, in float64, one explicit matrix per (head, key):
     query head h rotates key j of its group to the (possibly fractional) position kpos[head_table[h], b, j] and
     scores it with its query variant q[b, h, seg[b, j]]. q [B, Hq, V, D] rotated, k_raw / v [B, H, N, D],
-    kpos [Rt, B|1, N] float, head_table [Hq] ints, seg [B|1, N] ints or None (variant 0), allowed [B, N] bool or
-    None. Returns [B, Hq, D]."""
+    kpos [Rt, B|1, N] float, head_table [Hq] ints, seg [B|1, N] ints or None (variant 0), allowed [B, N] or
+    [B, Hq, N] (per query head) bool or None. Returns [B, Hq, D]."""
     B, Hq, V, D = q.shape
     H, N = k_raw.shape[1], k_raw.shape[2]
     g = Hq // H
@@ -212,7 +212,7 @@ def decode_heads_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, kpos
                 var = 0 if seg is None else int(seg[b if seg.shape[0] > 1 else 0, j])
                 s[j] = float(q[b, h, var].double() @ kj) * scale
             if allowed is not None:
-                s = s.masked_fill(~allowed[b], float("-inf"))
+                s = s.masked_fill(~(allowed[b, h] if allowed.dim() == 3 else allowed[b]), float("-inf"))
             if bool(torch.isinf(s).all()):
                 continue
             out[b, h] = torch.softmax(s, -1) @ v[b, h // g].double()

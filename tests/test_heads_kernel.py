@@ -61,6 +61,42 @@ def test_identity_maps_are_bit_identical_to_the_plain_raw_key_kernel(dtype):
     assert torch.equal(plain, heads)
 
 
+@pytest.mark.parametrize("B,Hkv,G,N,R,layout,dtype,Bm", [
+    (1, 1, 4, 300, 64, RopeLayout.HALF, torch.float32, 1),           # Gemma 3's grouping (4 heads on 1), AVX2 path
+    (2, 2, 3, 260, 32, RopeLayout.INTERLEAVED, torch.float32, 2),    # plain-C path
+    (2, 1, 2, 150, 64, RopeLayout.HALF, torch.bfloat16, 2),
+])
+def test_a_mask_per_query_head_equals_the_float64_reference(B, Hkv, G, N, R, layout, dtype, Bm):
+    """One visibility row per query head (PINE's window at each head's own read distances): heads of one group see
+    different keys, one head sees none (its output is 0) and one head sees nothing in a whole chunk of keys."""
+    g = torch.Generator().manual_seed(N)
+    spec = spec_for(64, R, layout, 1.0)
+    Hq = Hkv * G
+    k, v = torch.randn(B, Hkv, N, 64, generator=g).to(dtype), torch.randn(B, Hkv, N, 64, generator=g).to(dtype)
+    pos = torch.randint(0, 6000, (B, N), generator=g)
+    ratios = torch.tensor([1.0, 1.5])
+    kpos = pos.double()[None] / ratios.double()[:, None, None]
+    cos, sin = _tables(kpos, spec)
+    head_table = torch.randint(0, 2, (Hq,), generator=g)
+    q = torch.randn(B, Hq, 3, 64, generator=g)
+    seg = torch.randint(0, 3, (B, N), generator=g)
+    allowed = torch.rand(Bm, Hq, N, generator=g) > 0.5
+    allowed[:, 0, :130] = False                             # a whole chunk of keys hidden from head 0 only
+    allowed[:, Hq - 1] = False                              # the last head sees no key at all
+    add = torch.zeros(Bm, Hq, N).masked_fill(~allowed, float("-inf"))
+    out = decode_heads_kernel(q, k, v, cos, sin, head_table, seg, add, 0.125, R, layout is RopeLayout.INTERLEAVED)
+    ref = decode_heads_ref(q, k, v, kpos, head_table, seg, spec, allowed.expand(B, Hq, N), 0.125)
+    assert out is not None and (out.double() - ref).abs().max() < 3e-6
+    assert bool((out[:, Hq - 1] == 0).all())
+    shared = decode_heads_kernel(q, k, v, cos, sin, head_table, seg, add[:, :1], 0.125, R,
+                                 layout is RopeLayout.INTERLEAVED)                  # one row for all heads, as before
+    ref1 = decode_heads_ref(q, k, v, kpos, head_table, seg, spec, allowed[:, 0].expand(B, N), 0.125)
+    assert (shared.double() - ref1).abs().max() < 3e-6
+    with pytest.raises(ValueError, match=r"decode_heads_kernel mask: expected additive float"):
+        decode_heads_kernel(q, k, v, cos, sin, head_table, seg, add[:, :2] if Hq > 2 else add[:, :1].expand(
+            Bm, Hq + 1, N), 0.125, R, False)
+
+
 def test_indices_out_of_range_are_refused_before_the_kernel_reads_them():
     spec = spec_for(64, 64, RopeLayout.HALF, 1.0)
     k = v = torch.randn(1, 1, 20, 64)

@@ -196,8 +196,9 @@ class _Reads:
         q [B, Hq, V, D]: V rotated variants of each query head (for scales: rotated at p / ratios[h], times the
         attention scaling); ratios [Hq] or None: query head h reads key positions t / ratios[h] (Ms-PoE; None: the
         slots' own positions); seg [B|1, T] ints in [0, V) or None: the variant each key is scored with (PINE's
-        per-document offsets; None: variant 0); mask None or additive float32 [B|1, T]; state: a read state shared
-        by calls (default: the running forward's, whose tables its layers share); positions [B, T] int64 or None:
+        per-document offsets; None: variant 0); mask None or additive float32 [B|1, T] or [B|1, Hq, T] (one row
+        per query head: PINE's window at each head's read distances); state: a read state shared by calls
+        (default: the running forward's, whose tables its layers share); positions [B, T] int64 or None:
         the keys read at these positions instead of their slots' (a piecewise distance map,
         kvpos.posmap.window_decode_map; not with ratios). Float64 reference: `kvpos.reference.decode_heads_ref`."""
         if positions is not None and ratios is not None:

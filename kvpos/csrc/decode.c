@@ -239,9 +239,12 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
    first, the query back by the second, s R(-hi) q . R(lo) k = q . s R(hi + lo) k (small tables that stay in cache,
    for per-head scales p -> p / r);
    hrow int64 [Hq]: the table of each query head; seg int32 [Bs, N] (Bs in {1, B}) or NULL: the query variant each
-   key is scored with (NULL: variant 0; out of range: variant 0 and a return value of 1). Other arguments as
-   kvpos_decode_raw_*. A group whose G heads share one table
+   key is scored with (NULL: variant 0; out of range: variant 0 and a return value of 1); mask float32 additive
+   [Bm, Hm, N] or NULL, Hm in {1, Hq}: one row for every head or one per query head (a per-head window). Other
+   arguments as kvpos_decode_raw_*. A group whose G heads share one table
    rotates each key once, as the plain kernel does; otherwise each key is rotated once per head, in registers. */
+/* the additive mask of query head h*G+g at key j: one row for all heads (Hm = 1) or one per query head (Hm = Hq) */
+#define HEAD_ADD(g) (mhd ? mhd[(Hm > 1 ? h * G + (g) : 0) * N + j] : 0.0f)
 #define HEADS_PRE                                                                                              \
         int64_t sj = srow ? srow[j] : 0;                                                                       \
         if (sj < 0 || sj >= V) { sj = 0; _Pragma("omp atomic") bad |= 1; }    /* reported, never read */      \
@@ -278,7 +281,6 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         float kf[256], kx[256];                                                                                \
         for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kj[i]);                                                   \
         for (int64_t i = R; i < D; i++) kx[i] = kf[i];                                                         \
-        const float add = mrow ? mrow[j] : 0.0f;                                                               \
         for (int64_t g = 0; g < G; g++) {                                                                      \
             for (int64_t i = 0; i < h2; i++) {                                                                 \
                 const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;            \
@@ -287,7 +289,7 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
             }                                                                                                  \
             float dot = 0.0f;                                                                                  \
             for (int64_t i = 0; i < D; i++) dot += qv[g][i] * kx[i];                                           \
-            sc[g][j - j0] = dot * scale + add;                                                                 \
+            sc[g][j - j0] = dot * scale + HEAD_ADD(g);                                                         \
         }                                                                                                      \
     }
 #if KV_AVX2
@@ -321,8 +323,7 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
             const __m256 x = LD8(kj + i);                                                                      \
             for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + i), x, acc[g]);\
         }                                                                                                      \
-        const float add = mrow ? mrow[j] : 0.0f;                                                               \
-        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + add;                        \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
     }
 #define HEADS_SCORES_VEC(LD8) BY_G(HEADS_SCORES_AVX2, LD8)
 #else
@@ -334,6 +335,7 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
 #define HEADS_SETUP                                                                                            \
         const int64_t bc = Bc > 1 ? b : 0;                                                                     \
         const int32_t *srow = seg ? seg + (Bs > 1 ? b : 0) * N : 0;                                            \
+        const float *mhd = mask ? mask + (Bm > 1 ? b : 0) * Hm * N : 0;    /* [Hm in {1, Hq}, N] of row b */ \
         int shared = 1;                                                                                        \
         float qbuf[KV_MAXG][256];                                                                              \
         int64_t qkey[KV_MAXG];                                                                                 \
@@ -346,7 +348,8 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
                     const int64_t *hrow, const int32_t *seg, const int64_t *fpos, int64_t NT, const float *mask,     \
                     float *out, float *work, int64_t B,                                                              \
                     int64_t Hkv, int64_t G, int64_t V, int64_t N, int64_t D, int64_t R, int64_t Bc, int64_t Bs,      \
-                    int64_t Bm, int64_t kb, int64_t kh, int64_t vb, int64_t vh, float scale, int layout, int nthreads
+                    int64_t Bm, int64_t Hm, int64_t kb, int64_t kh, int64_t vb, int64_t vh, float scale, int layout, \
+                    int nthreads
 /* returns 0, or bit 1 when a segment index was outside [0, V), bit 2 when a factored position was outside its tables
    (those keys were scored with variant 0 / position 0: the caller discards out) */
 int kvpos_decode_heads_f32(DECODE_HEADS_ARGS) {
