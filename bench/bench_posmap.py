@@ -37,15 +37,11 @@ from kvpos.integrations.hf import PositionedCache, bind_attention, extend, load_
 from kvpos.integrations.mspoe import MsPoEBackend
 from kvpos.integrations.pine import PineLiteBackend
 from kvpos.integrations.window import WindowBackend
+from kvpos.integrations.hf.specs import head_dim
 from kvpos.posmap import ms_poe_scales
 from length_eval import policies
 
 N_DOCS, ANCHOR, QUESTION = 8, 32, 32
-
-
-def head_dim(cfg) -> int:
-    """The per-head width of `cfg` (Gemma 3 states it: 256, not hidden / heads = 160)."""
-    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def filled_cache(model, n: int, storage: str, seed: int) -> PositionedCache:

@@ -204,3 +204,13 @@ def test_the_same_spec_rule_is_the_identity_of_what_the_rotation_depends_on():
     others = [RopeSpec(bumped, 1.0, 8, 8), RopeSpec(inv, 1.0 + 1e-7, 8, 8), RopeSpec(inv, 1.0, 8, 16),
               RopeSpec(inv, 1.0, 8, 8, RopeLayout.INTERLEAVED), RopeSpec(inv, 1.0, 8, 8, angle_dtype=torch.float64)]
     assert len({s.identity for s in others} | {a.identity}) == len(others) + 1
+
+
+def test_head_dim_takes_the_configs_stated_width_before_hidden_over_heads():
+    from types import SimpleNamespace
+
+    from kvpos.integrations.hf.specs import head_dim
+
+    gemma_like = SimpleNamespace(head_dim=256, hidden_size=640, num_attention_heads=4)
+    assert head_dim(gemma_like) == 256                                       # not 640 / 4 = 160
+    assert head_dim(SimpleNamespace(head_dim=None, hidden_size=576, num_attention_heads=9)) == 64

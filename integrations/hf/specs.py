@@ -13,7 +13,7 @@ import torch
 from kvpos._checks import fail
 from kvpos.rope import STATIC_ROPE_TYPES, RopeLayout, RopeSpec, UnsupportedRopeError
 
-__all__ = ["rope_specs_from_model", "rope_specs_from_config", "rotary_modules"]
+__all__ = ["rope_specs_from_model", "rope_specs_from_config", "rotary_modules", "head_dim"]
 
 # transformers model types whose rotate_half pairs adjacent dims (x[..., ::2], x[..., 1::2])
 _INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "glm", "glm4", "glm4_moe", "gptj", "codegen"})
@@ -31,7 +31,9 @@ def _find_rotary(model: Any) -> Any:
     return found[0] if found else None
 
 
-def _head_dim(config: Any) -> int:
+def head_dim(config: Any) -> int:
+    """The per-head width of a transformers config: its `head_dim` where it states one (Gemma 3: 256, not
+    hidden / heads = 160), else hidden_size // num_attention_heads."""
     hd = getattr(config, "head_dim", None)
     if hd:
         return int(hd)
@@ -95,7 +97,7 @@ def rope_specs_from_model(model: Any, angle_dtype: torch.dtype = torch.float32) 
             f"model_type={model_type!r}: layer types {other} keep state other than positioned keys and values "
             "(recurrent, linear or indexed attention); run such hybrid models with transformers' own cache")
     try:
-        head_dim = _head_dim(config)
+        hd = head_dim(config)
     except RuntimeError as e:       # transformers' AmbiguousGlobalPerLayerAttributeError: head sizes vary by layer
         if "per-layer" not in str(e):
             raise
@@ -107,7 +109,7 @@ def rope_specs_from_model(model: Any, angle_dtype: torch.dtype = torch.float32) 
     for lt in layer_types:
         key = lt if hasattr(rotary, f"{lt}_inv_freq") else None
         if key not in per_type:
-            per_type[key] = _spec_for(rotary, config, key, head_dim, layout, angle_dtype)
+            per_type[key] = _spec_for(rotary, config, key, hd, layout, angle_dtype)
         specs.append(per_type[key])
     return specs
 
