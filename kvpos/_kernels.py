@@ -313,11 +313,11 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     already multiplied by the RoPE attention scaling; head_table [Hq] int64 in [0, Rt): the table query head h
     rotates keys with; seg [Bs, N] int (Bs in {1, B}) in [0, V) or None: the variant of the query each key is scored
     with (None: variant 0); mask None or additive float32 [Bm, N] or [Bm, Hm, N] (Bm in {1, B}, Hm in {1, Hq}: one
-    row for all heads, or one per query head). Per-head position scales (Ms-PoE) are tables; per-(head, segment) offsets (PINE) are
-    query variants. With fpos [Bc, N] int64 (the slots' integer positions) the tables are factored instead
-    (`kvpos.posmap.factored_tables`): cos / sin [Rt, NT, R/2], the angle of position t the sum of row t mod 64
-    (unscaled) and row 64 + t // 64 (times the attention scaling), multiplied in registers: tables of a few KB
-    where full ones take Rt * N rows. None where the kernel cannot serve; ValueError on indices outside the tables
+    row for all heads, or one per query head). Per-head position scales (Ms-PoE) are tables; per-(head, segment)
+    offsets (PINE) are query variants. With fpos [Bc, N] int64 (the slots' integer positions) the tables are
+    factored instead (`kvpos.posmap.factored_tables`): cos / sin [Rt, NT, R/2], the angle of position t the sum of
+    row t mod 64 (unscaled) and row 64 + t // 64 (times the attention scaling), multiplied in registers: tables of a
+    few KB where full ones take Rt * N rows. None where the kernel cannot serve; ValueError on indices outside the tables
     or variants (found by the kernel, which never reads them). Float64 reference:
     `kvpos.reference.decode_heads_ref`."""
     if torch.compiler.is_compiling():
@@ -369,8 +369,8 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
              0 if sg is None else sg.data_ptr(), 0 if fp is None else fp.data_ptr(), NT,
              0 if m is None else m.data_ptr(), out.data_ptr(), work.data_ptr(),
              B, Hkv, G, V, N, D, rotary_dim, Bc, 1 if sg is None else sg.shape[0], 1 if m is None else m.shape[0],
-             1 if m is None else m.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale), 1 if interleaved else 0,
-             max(1, torch.get_num_threads()))
+             1 if m is None else m.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale),
+             1 if interleaved else 0, max(1, torch.get_num_threads()))
     if bad & 1:
         fail("decode_heads_kernel seg", f"ints in [0, V={V}) (the query variants)",
              f"range [{int(sg.min())}, {int(sg.max())}]")
