@@ -151,7 +151,12 @@ def main(argv=None) -> None:
             ap.error(f"--{name}: expected an int >= 1, got {getattr(a, name)}")
     if a.report:
         rows = [r for p in a.report for r in _records(p)]
-        report(rows, a.bucket, a.json, {"records": a.report})
+        if not rows:
+            ap.error(f"--report: expected records, got none in {a.report}")
+        names = sorted({os.path.basename(str(r.get("model", "?"))) for r in rows})
+        lengths = sorted({int(r.get("length", r["tokens"])) for r in rows})
+        title = f"{', '.join(names)}: {', '.join(map(str, lengths))} tokens"
+        report(rows, a.bucket, a.json, {"records": a.report, "title": title})
         return
     model, tok = load_model(a.model)
     trained = int(model.config.max_position_embeddings)

@@ -1,5 +1,6 @@
 """The benchmark harnesses score what they claim: bench/rag_eval.py generates APE answers with APE attention;
 bench/pie_eval.py runs the strategy each --also spec names."""
+import json
 import sys
 from pathlib import Path
 
@@ -351,6 +352,19 @@ def test_length_eval_summary_buckets_nll_by_position_and_pairs_prefill_cost_with
     assert (plain["nll_0"], plain["nll_2048"], plain["nll_4096"]) == (1.0, 2.0, 4.0)
     assert plain["last_vs_2k"] == 2.0 and lmi["last_vs_2k"] == 1.0
     assert (plain["passkey"], lmi["passkey"]) == (100.0, 0.0) and lmi["prefill_vs_plain"] == 2.5
+
+
+def test_length_eval_report_titles_the_plot_with_the_records_model_and_refuses_no_records(tmp_path):
+    rec = tmp_path / "r.jsonl"
+    row = {"policy": "plain", "seed": 0, "length": 4096, "model": "/x/m.gguf", "nll": [1.0] * 4095, "found": False,
+           "prefill_s": 1.0, "tokens": 4096}
+    rec.write_text(json.dumps(row) + "\n")
+    length_eval.main(["--report", str(rec), "--json", str(tmp_path / "out.json")])
+    assert json.loads((tmp_path / "out.json").read_text())["title"] == "m.gguf: 4096 tokens"
+    assert (tmp_path / "out.png").exists()
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        length_eval.main(["--report", str(tmp_path / "empty.jsonl")])
 
 
 def test_length_eval_policies_are_documented_and_wrope_capped_differs_only_in_the_sink_distance():
