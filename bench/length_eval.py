@@ -25,6 +25,7 @@ Policies (the model's trained length L = config.max_position_embeddings, 8192 fo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -44,12 +45,10 @@ from kvpos.window import WindowConfig, lm_infinite, streaming_llm, string_shift
 
 def policies(trained: int) -> dict[str, WindowConfig | None]:
     """The policies of the module docstring for a model trained to `trained` tokens."""
+    wrope = WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector="exact", far_scores="windowed")
     return {"plain": None, "streaming_llm": streaming_llm(trained // 2, sinks=4),
             "lm_infinite": lm_infinite(trained // 2, n_global=10), "string": string_shift(trained // 3, 128),
-            "wrope": WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector="exact",
-                                  far_scores="windowed"),
-            "wrope_capped": WindowConfig(sinks=8, window=64, distance=2048, budget=0.05, selector="exact",
-                                         far_scores="windowed", sink_distance=2048)}
+            "wrope": wrope, "wrope_capped": dataclasses.replace(wrope, sink_distance=wrope.distance)}
 
 
 @torch.no_grad()
