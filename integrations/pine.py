@@ -70,12 +70,14 @@ def document_layout(segment: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
 
 class PineLiteBackend:
     """Attention backend: PINE-lite over the bound cache (module docstring). Decode steps over storage="raw" run the
-    fused position-map kernel (one query variant per document); `read_counts` says which path served."""
+    fused position-map kernel (one query variant per document) after the importance kernel; `read_counts` and
+    `importance_counts` say which path served each."""
 
     needs_cache = True
 
     def __init__(self) -> None:
         self.read_counts = {"fused": 0, "torch": 0}
+        self.importance_counts = {"fused": 0, "torch": 0}   # which path computed each call's document importance
         self._layout: tuple | None = None           # (segments, positions, document_layout of them): one per step
 
     def layout(self, seg: torch.Tensor, pos: torch.Tensor) -> tuple:
@@ -103,7 +105,10 @@ class PineLiteBackend:
         if call.window is not None:                 # importance over every causal key; the window at PINE's positions
             allowed = unwindowed(cache, call, allowed, torch.arange(N - Lq, N), "PineLiteBackend")
         q_raw = unrotate(call.query, pos[:, N - Lq:], layer.spec)
-        imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
+        imp = _importance_fused(cache, call, q_raw, doc, n, size, allowed) if Lq == 1 else None
+        self.importance_counts["torch" if imp is None else "fused"] += 1
+        if imp is None:
+            imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
         shift = pine_shifts(imp, start, size, end)
         if call.window is not None:
             allowed = allowed & shifted_window(pos[:, N - Lq:], pos, doc, shift, call.window)   # [B, Hq, q, N]
@@ -135,6 +140,18 @@ def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, 
              "applied at PINE's positions instead of the cache's slot order", "a custom mask",
              "run PINE on sliding-window layers with the default mask")
     return base.expand_as(allowed)
+
+
+def _importance_fused(cache: PositionedKV, call: AttentionCall, q_raw: torch.Tensor, doc: torch.Tensor, n: int,
+                      size: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+    """segment_importance of one query row over storage="raw" by the importance kernel (the per-document softmax
+    mass divided by the document sizes): [B, Hq, 1, n] float32, or None where the kernel cannot serve. q_raw
+    [B, Hq, 1, D]; allowed [B, 1, 1, N] bool (no mask when every key is visible)."""
+    mask = None
+    if not bool(allowed.all()):
+        mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
+    mass = cache.segment_mass(call.layer, q_raw[:, :, 0], doc, n, mask, call.scaling)
+    return None if mass is None else (mass / size[:, None, :].to(mass.dtype))[:, :, None]
 
 
 def _decode_fused(cache: PositionedKV, call: AttentionCall, doc: torch.Tensor, shift: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 from ._checks import fail
 
 __all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "decode_heads_kernel",
-           "decode_paged_kernel",
+           "segment_mass_kernel", "decode_paged_kernel",
            "decode_q8_kernel", "score_int8_kernel",
            "topk_indices", "transpose_int8_blocks"]
 
@@ -92,6 +92,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     for name in ("kvpos_decode_heads_f32", "kvpos_decode_heads_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 8 + [i64] + [vp] * 3 + [i64] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    for name in ("kvpos_importance_f32", "kvpos_importance_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [vp] * 6 + [i64] * 11 + [ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
     lib.kvpos_decode_paged_f32.argtypes = [vp] * 7 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
     lib.kvpos_decode_paged_f32.restype = None
@@ -302,6 +306,20 @@ def decode_paged_kernel(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
     return out
 
 
+def _head_mask(mask: torch.Tensor | None, B: int, Hq: int, N: int, what: str) -> torch.Tensor | None:
+    """An additive mask [N], [Bm, N] or [Bm, Hm, N] (Bm in {1, B}, Hm in {1, Hq}) as the kernels read it: float32
+    [Bm, Hm, N] contiguous, or None; any other shape is refused naming `what`."""
+    if mask is None:
+        return None
+    want = f"additive float [1 or B={B}, N={N}] or [1 or B, 1 or Hq={Hq}, N]"
+    if not 1 <= mask.dim() <= 3:
+        fail(f"{what} mask", want, list(mask.shape))
+    m = mask.to(torch.float32).reshape(mask.shape[0] if mask.dim() > 1 else 1, -1, mask.shape[-1]).contiguous()
+    if m.shape[0] not in (1, B) or m.shape[1] not in (1, Hq) or m.shape[2] != N:
+        fail(f"{what} mask", want, list(mask.shape))
+    return m
+
+
 def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         head_table: torch.Tensor, seg: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
                         rotary_dim: int, interleaved: bool, fpos: torch.Tensor | None = None
@@ -349,11 +367,7 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     sg = None if seg is None else seg.to(torch.int32).reshape(-1, N).contiguous()   # range: checked by the kernel
     if sg is not None and sg.shape[0] not in (1, B):
         fail("decode_heads_kernel seg", f"[1 or B={B}, N={N}] ints", list(seg.shape))
-    m = None if mask is None else mask.to(torch.float32).reshape(1, 1, -1) if mask.dim() < 2 else \
-        mask.to(torch.float32).reshape(mask.shape[0], -1, mask.shape[-1]).contiguous()
-    if m is not None and (mask.dim() > 3 or m.shape[0] not in (1, B) or m.shape[1] not in (1, Hq) or m.shape[2] != N):
-        fail("decode_heads_kernel mask", f"additive float [1 or B={B}, N={N}] or [1 or B, 1 or Hq={Hq}, N]",
-             list(mask.shape))
+    m = _head_mask(mask, B, Hq, N, "decode_heads_kernel")
     if Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0 or q.shape[0] != B or q.shape[3] != D:
         return None
     lib = _get()
@@ -377,6 +391,47 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     if bad & 2:
         fail("decode_heads_kernel fpos", f"positions in [0, {64 * (NT - 64)}) (the factored tables' span)",
              f"range [{int(fp.min())}, {int(fp.max())}]", "build the tables for the largest position")
+    return out
+
+
+def segment_mass_kernel(q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, n: int, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor | None:
+    """PINE's importance numerator for one query row, WITHOUT RoPE: [B, Hq, n] float32, for query head h the softmax
+    of scale * q.k + mask over the slots of documents, summed per document (a row with no visible document slot:
+    zeros). q [B, Hq, D] unrotated queries (any float dtype); k [B, Hkv, N, D] raw keys (fp32 or bf16, unit stride
+    on D, stride D on slots; query head h reads kv head h // (Hq / Hkv)); doc [B|1, N] ints in [-1, n): each slot's
+    document, -1 for the others; mask None or additive float32 [B|1, N] or [B|1, 1|Hq, N]. None where the kernel
+    cannot serve; ValueError on document indices outside [-1, n) (found by the kernel, which skips them). Float64
+    reference: `kvpos.reference.segment_mass_ref`."""
+    if torch.compiler.is_compiling():
+        return None
+    B, Hkv, N, D = k.shape
+    if (q.dim() != 3 or k.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16)
+            or k.stride(3) != 1 or k.stride(2) != D or k.requires_grad):
+        return None
+    Hq = q.shape[1]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        fail("segment_mass_kernel n", "an int >= 1 (the number of documents)", repr(n))
+    dc = doc.to(torch.int32).reshape(-1, N).contiguous() if doc.numel() % max(N, 1) == 0 else None
+    if dc is None or doc.dim() > 2 or dc.shape[0] not in (1, B):
+        fail("segment_mass_kernel doc", f"[1 or B={B}, N={N}] ints", list(doc.shape))
+    m = _head_mask(mask, B, Hq, N, "segment_mass_kernel")
+    if Hq % Hkv or Hq // Hkv > 16 or N == 0 or q.shape[0] != B or q.shape[2] != D:
+        return None
+    lib = _get()
+    if lib is None:
+        return None
+    G = Hq // Hkv
+    work = torch.empty(B * Hkv * ((N + 127) // 128) * G * (n + 1), dtype=torch.float32)
+    out = torch.empty(B, Hq, n, dtype=torch.float32)
+    qc = q.to(torch.float32).contiguous()
+    fn = lib.kvpos_importance_f32 if k.dtype == torch.float32 else lib.kvpos_importance_bf16
+    bad = fn(qc.data_ptr(), k.data_ptr(), dc.data_ptr(), 0 if m is None else m.data_ptr(), out.data_ptr(),
+             work.data_ptr(), B, Hkv, G, N, D, n, dc.shape[0], 1 if m is None else m.shape[0],
+             1 if m is None else m.shape[1], k.stride(0), k.stride(1), float(scale), max(1, torch.get_num_threads()))
+    if bad:
+        fail("segment_mass_kernel doc", f"ints in [-1, n={n}) (each slot's document, -1 for none)",
+             f"range [{int(dc.min())}, {int(dc.max())}]")
     return out
 
 

@@ -12,7 +12,7 @@ from .rope import RopeLayout, RopeSpec
 
 __all__ = ["rotation_matrix_ref", "rotate_ref", "unrotate_ref", "attend_ref", "decode_raw_ref", "decode_rows_ref",
            "dequant_q8_ref", "decode_q8_ref", "ape_merge_ref", "windowed_score_ref", "distance_attend_ref", "scaled_attend_ref",
-           "decode_heads_ref"]
+           "decode_heads_ref", "segment_mass_ref"]
 
 
 def rotation_matrix_ref(p: int, spec: RopeSpec) -> torch.Tensor:
@@ -216,4 +216,30 @@ def decode_heads_ref(q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, kpos
             if bool(torch.isinf(s).all()):
                 continue
             out[b, h] = torch.softmax(s, -1) @ v[b, h // g].double()
+    return out
+
+
+def segment_mass_ref(q_raw: torch.Tensor, k_raw: torch.Tensor, doc: torch.Tensor, n: int,
+                     allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """What the importance kernel computes, in float64, one query row at a time: for query head h (reading kv head
+    h // (Hq / H)) the softmax of scale * q.k (no rotation) over the slots j with doc[b, j] >= 0 that `allowed`
+    shows, summed per document. q_raw [B, Hq, D], k_raw [B, H, N, D], doc [B|1, N] ints in [-1, n), allowed
+    [B, N] or [B, Hq, N] bool or None. Returns [B, Hq, n] float64 (rows that see no document slot: zeros)."""
+    B, Hq, D = q_raw.shape
+    H, N = k_raw.shape[1], k_raw.shape[2]
+    g = Hq // H
+    out = torch.zeros(B, Hq, n, dtype=torch.float64)
+    for b in range(B):
+        d = doc[b if doc.shape[0] > 1 else 0].long()
+        for h in range(Hq):
+            ok = d >= 0
+            if allowed is not None:
+                ok = ok & (allowed[b, h] if allowed.dim() == 3 else allowed[b])
+            if not bool(ok.any()):
+                continue
+            s = (k_raw[b, h // g].double() @ q_raw[b, h].double()) * scale
+            p = torch.softmax(s.masked_fill(~ok, float("-inf")), -1)
+            for j in range(N):
+                if bool(ok[j]):
+                    out[b, h, int(d[j])] += p[j]
     return out

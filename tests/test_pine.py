@@ -103,12 +103,13 @@ class ExplicitPine:
 @pytest.mark.parametrize("arch,storage", [("llama", None), ("phi3", None), ("cohere", None), ("llama", "raw"),
                                           ("phi3", "raw"), ("qwen2", "raw"), ("gemma3", None), ("gemma3", "raw")])
 def test_pine_lite_equals_the_explicit_position_reference_in_prefill_and_decode(arch, storage):
-    """storage="raw": decode steps run the fused position-map kernel (read_counts says so)."""
+    """storage="raw": decode steps run the importance kernel and the fused position-map kernel (the counts say so)."""
     model, composer, docs, q = _setup(arch, seed=1)
     backend = PineLiteBackend()
     got = _answer(model, composer, docs, q, backend, storage=storage)
     layers = model.config.num_hidden_layers                # sliding-window layers too: one mask row per head
     assert backend.read_counts["fused"] == (2 * layers if storage == "raw" else 0)
+    assert backend.importance_counts["fused"] == (2 * layers if storage == "raw" else 0)   # the importance kernel
     want = _answer(model, composer, docs, q, ExplicitPine(model.config))
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import fail
-from .._kernels import decode_heads_kernel, decode_q8_kernel, decode_raw_kernel
+from .._kernels import decode_heads_kernel, decode_q8_kernel, decode_raw_kernel, segment_mass_kernel
 from .storages import INT8, RAW, StorageMode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
@@ -185,6 +185,19 @@ class _Reads:
                                     d["vt"], d["cos"], d["sin"], mask, scale, spec.rotary_dim, inter)
         k, v, cos, sin = self.fused_inputs_raw(index, state)
         return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)
+
+    def segment_mass(self, index: int, q_raw: torch.Tensor, doc: torch.Tensor, n: int, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor | None:
+        """PINE's importance numerator over layer `index` (storage="raw") for one query row, by the fused kernel:
+        [B, Hq, n] float32, per query head the softmax of scale * q_raw.k_raw + mask over the slots of documents,
+        summed per document (`kvpos.posmap.segment_importance` times the document sizes); None where the kernel
+        cannot serve (another storage, no kernel, unsupported shapes). q_raw [B, Hq, D] unrotated; doc [B|1, T]
+        ints in [-1, n) (-1: not a document slot); mask None or additive float32 [B|1, T] or [B|1, 1|Hq, T].
+        Float64 reference: `kvpos.reference.segment_mass_ref`."""
+        l = self.layers[index]
+        if l.mode is not RAW or not l.allocated:
+            return None
+        return segment_mass_kernel(q_raw, l.raw_k[:, :, : l.n], doc, n, mask, scale)
 
     def decode_mapped(self, index: int, q: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       ratios: torch.Tensor | None = None, seg: torch.Tensor | None = None,

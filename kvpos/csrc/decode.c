@@ -250,10 +250,19 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         if (sj < 0 || sj >= V) { sj = 0; _Pragma("omp atomic") bad |= 1; }    /* reported, never read */      \
         int64_t tj = fpos ? fpos[bc * N + j] : 0;                                                              \
         if (fpos && (tj < 0 || (tj >> 6) >= NT - 64)) { tj = 0; _Pragma("omp atomic") bad |= 2; }             \
+        if (sj != qsj) {                     /* the variant rows, kept along a run of keys of one segment */  \
+            for (int64_t g = 0; g < G; g++) qvs[g] = q + ((b * Hkv * G + h * G + g) * V + sj) * D;           \
+            qsj = sj;                                                                                          \
+        }                                                                                                      \
         const float *qv[KV_MAXG], *cg[KV_MAXG], *ng[KV_MAXG];                                                  \
+        if (!fpos && shared) {               /* one table for the group: one row pointer, as the plain kernel */\
+            cg[0] = cs + ((hrow[h * G] * Bc + bc) * N + j) * h2;                                               \
+            ng[0] = sn + ((hrow[h * G] * Bc + bc) * N + j) * h2;                                               \
+        }                                                                                                      \
         for (int64_t g = 0; g < G; g++) {                                                                      \
-            qv[g] = q + ((b * Hkv * G + h * G + g) * V + sj) * D;                                              \
+            qv[g] = qvs[g];                                                                                    \
             if (!fpos) {                                                                                       \
+                if (shared) continue;                                                                          \
                 cg[g] = cs + ((hrow[h * G + g] * Bc + bc) * N + j) * h2;                                       \
                 ng[g] = sn + ((hrow[h * G + g] * Bc + bc) * N + j) * h2;                                       \
                 continue;                                                                                      \
@@ -266,10 +275,10 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
                 const float *ch = cs + (base + 64 + (tj >> 6)) * h2, *nh = sn + (base + 64 + (tj >> 6)) * h2; \
                 for (int64_t i = 0; i < h2; i++) {                                                             \
                     const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;        \
-                    qbuf[g][ia] = qv[g][ia] * ch[i] + qv[g][ie] * nh[i];                                       \
-                    qbuf[g][ie] = qv[g][ie] * ch[i] - qv[g][ia] * nh[i];                                       \
+                    qbuf[g][ia] = qvs[g][ia] * ch[i] + qvs[g][ie] * nh[i];                                     \
+                    qbuf[g][ie] = qvs[g][ie] * ch[i] - qvs[g][ia] * nh[i];                                     \
                 }                                                                                              \
-                for (int64_t i = R; i < D; i++) qbuf[g][i] = qv[g][i];                                         \
+                for (int64_t i = R; i < D; i++) qbuf[g][i] = qvs[g][i];                                        \
                 qkey[g] = key;                                                                                 \
             }                                                                                                  \
             qv[g] = qbuf[g];                                                                                   \
@@ -282,10 +291,11 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kj[i]);                                                   \
         for (int64_t i = R; i < D; i++) kx[i] = kf[i];                                                         \
         for (int64_t g = 0; g < G; g++) {                                                                      \
+            const float *cx = !fpos && shared ? cg[0] : cg[g], *nx = !fpos && shared ? ng[0] : ng[g];          \
             for (int64_t i = 0; i < h2; i++) {                                                                 \
                 const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;            \
-                kx[ia] = kf[ia] * cg[g][i] - kf[ie] * ng[g][i];                                                \
-                kx[ie] = kf[ie] * cg[g][i] + kf[ia] * ng[g][i];                                                \
+                kx[ia] = kf[ia] * cx[i] - kf[ie] * nx[i];                                                      \
+                kx[ie] = kf[ie] * cx[i] + kf[ia] * nx[i];                                                      \
             }                                                                                                  \
             float dot = 0.0f;                                                                                  \
             for (int64_t i = 0; i < D; i++) dot += qv[g][i] * kx[i];                                           \
@@ -293,7 +303,41 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         }                                                                                                      \
     }
 #if KV_AVX2
+/* one table for the whole group and no factoring (PINE's offsets): the plain kernel's loop, the query variant of
+   each key's segment kept while the segment repeats */
+#define HEADS_ONE_TABLE_AVX2(LD8, GC)                                                                          \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        int64_t sj = srow ? srow[j] : 0;                                                                       \
+        if (sj < 0 || sj >= V) { sj = 0; _Pragma("omp atomic") bad |= 1; }    /* reported, never read */      \
+        if (sj != qsj) {                                                                                       \
+            for (int64_t g = 0; g < (GC); g++) qvs[g] = q + ((b * Hkv * G + h * G + g) * V + sj) * D;        \
+            qsj = sj;                                                                                          \
+        }                                                                                                      \
+        const T *kj = kr + j * D;                                                                              \
+        const float *cj = ctab + j * h2, *nj = ntab + j * h2;                                                  \
+        __m256 acc[KV_MAXG];                                                                                   \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
+        for (int64_t i = 0; i < h2; i += 8) {                                                                  \
+            const __m256 a = LD8(kj + i), e = LD8(kj + i + h2);                                                \
+            const __m256 c = _mm256_loadu_ps(cj + i), n = _mm256_loadu_ps(nj + i);                             \
+            const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                      \
+            const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                      \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qvs[g] + i), ra, acc[g]);                             \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qvs[g] + i + h2), rb, acc[g]);                        \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i += 8) {                                                                   \
+            const __m256 x = LD8(kj + i);                                                                      \
+            for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qvs[g] + i), x, acc[g]);\
+        }                                                                                                      \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
+    }
 #define HEADS_SCORES_AVX2(LD8, GC)                                                                             \
+    if (!fpos && shared) {                                                                                     \
+        const float *ctab = cs + (hrow[h * G] * Bc + bc) * N * h2, *ntab = sn + (hrow[h * G] * Bc + bc) * N * h2;\
+        HEADS_ONE_TABLE_AVX2(LD8, GC)                                                                          \
+    } else                                                                                                     \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
         HEADS_PRE                                                                                              \
         const T *kj = kr + j * D;                                                                              \
@@ -338,7 +382,8 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         const float *mhd = mask ? mask + (Bm > 1 ? b : 0) * Hm * N : 0;    /* [Hm in {1, Hq}, N] of row b */ \
         int shared = 1;                                                                                        \
         float qbuf[KV_MAXG][256];                                                                              \
-        int64_t qkey[KV_MAXG];                                                                                 \
+        const float *qvs[KV_MAXG];                                                                             \
+        int64_t qkey[KV_MAXG], qsj = -1;                                                                       \
         for (int64_t g = 0; g < G; g++) qkey[g] = -1;                                                          \
         for (int64_t g = 1; g < G; g++) shared &= hrow[h * G + g] == hrow[h * G];
 #define HEADS_VEC(LD8) { HEADS_SETUP HEADS_SCORES_VEC(LD8) }
@@ -442,3 +487,107 @@ void kvpos_decode_q8_f32(DECODE_Q8_ARGS) {
 void kvpos_decode_q8_bf16(DECODE_Q8_ARGS) {
     typedef uint16_t T; const T *ks = ksp, *kt = ktp, *vs = vsp, *vt = vtp; DECODE_Q8_BODY(bf16_load, ld8_bf16) }
 
+
+/* PINE's importance of each document to one query row, WITHOUT RoPE (kvpos.posmap.segment_importance before its
+   division by the document sizes): for query head h*G+g, the softmax of scale * q.k + mask over the slots that
+   belong to a document and are not masked, summed per document. q float32 [B, Hq, D] (unrotated queries); k T*
+   raw keys [B, Hkv, *, D] as kvpos_decode_raw_* (strides kb, kh); doc int32 [Bs, N] (Bs in {1, B}): the document
+   of each slot in [0, n), -1 for the others (any other value: the slot is skipped and bit 1 returned); mask float32
+   additive [Bm, Hm, N] or NULL (Bm in {1, B}, Hm in {1, Hq}); out float32 [B, Hq, n] (a row with no visible
+   document slot: zeros); work float32 [B * Hkv * nch * G * (n + 1)]. Work item = (row, kv head, chunk of KV_CHUNK
+   slots) as in the decode kernel: the chunk's max and per-document sums of exp(score - max) per query, merged
+   afterwards (split-K). AVX2 path: the dot products and exp for D a multiple of 8; otherwise plain C. */
+#define IMP_SKIP(dj) ((dj) < 0 || (dj) >= n)
+#define IMP_DOTS_SCALAR(LOAD)                                                                                      \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        const int32_t dj = drow[j];                                                                            \
+        if (IMP_SKIP(dj)) {                                                                                    \
+            if (dj >= n || dj < -1) { _Pragma("omp atomic") bad |= 1; }                                        \
+            for (int64_t g = 0; g < G; g++) sc[g][j - j0] = -INFINITY;                                         \
+            continue;                                                                                          \
+        }                                                                                                      \
+        const T *kj = kr + j * D;                                                                              \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            const float *qg = qh + g * D;                                                                      \
+            float dot = 0.0f;                                                                                  \
+            for (int64_t i = 0; i < D; i++) dot += qg[i] * LOAD(kj[i]);                                        \
+            sc[g][j - j0] = dot * scale + HEAD_ADD(g);                                                         \
+        }                                                                                                      \
+    }
+#if KV_AVX2
+#define IMP_DOTS_AVX2(LD8, GC)                                                                                 \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        const int32_t dj = drow[j];                                                                            \
+        if (IMP_SKIP(dj)) {                                                                                    \
+            if (dj >= n || dj < -1) { _Pragma("omp atomic") bad |= 1; }                                        \
+            for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = -INFINITY;                                      \
+            continue;                                                                                          \
+        }                                                                                                      \
+        const T *kj = kr + j * D;                                                                              \
+        __m256 acc[KV_MAXG];                                                                                   \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
+        for (int64_t i = 0; i < D; i += 8) {                                                                   \
+            const __m256 x = LD8(kj + i);                                                                      \
+            for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]);\
+        }                                                                                                      \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
+    }
+#define IMP_DOTS_VEC(LD8) BY_G(IMP_DOTS_AVX2, LD8)
+#else
+#define IMP_DOTS_VEC(LD8)
+#endif
+
+#define IMPORTANCE_BODY(LOAD, LD8)                                                                             \
+    const int64_t nch = (N + KV_CHUNK - 1) / KV_CHUNK, total = B * Hkv * nch, W = n + 1;                      \
+    const int vec = KV_AVX2 && D % 8 == 0;                                                                    \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t idx = 0; idx < total; idx++) {                                                               \
+        const int64_t c = idx % nch, h = (idx / nch) % Hkv, b = idx / (nch * Hkv);                             \
+        const int64_t j0 = c * KV_CHUNK, j1 = j0 + KV_CHUNK < N ? j0 + KV_CHUNK : N, nj = j1 - j0;            \
+        const float *qh = q + (b * Hkv * G + h * G) * D;                                                      \
+        const T *kr = k + b * kb + h * kh;                                                                     \
+        const int32_t *drow = doc + (Bs > 1 ? b : 0) * N;                                                      \
+        const float *mhd = mask ? mask + (Bm > 1 ? b : 0) * Hm * N : 0;                                        \
+        float sc[KV_MAXG][KV_CHUNK];                                                                           \
+        if (vec) { IMP_DOTS_VEC(LD8) } else { IMP_DOTS_SCALAR(LOAD) }                                               \
+        float *wk = work + idx * G * W;                                                                        \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            float m = -INFINITY, *sums = wk + g * W + 1;                                                       \
+            for (int64_t j = 0; j < nj; j++) m = sc[g][j] > m ? sc[g][j] : m;                                  \
+            wk[g * W] = m;                                                                                     \
+            for (int64_t d = 0; d < n; d++) sums[d] = 0.0f;                                                    \
+            if (m == -INFINITY) continue;                                                                      \
+            int64_t j = 0;                                                                                     \
+            KV_EXP_VEC                                                                                         \
+            for (; j < nj; j++) sc[g][j] = expf(sc[g][j] - m);                                                 \
+            for (j = 0; j < nj; j++) if (!IMP_SKIP(drow[j0 + j])) sums[drow[j0 + j]] += sc[g][j];              \
+        }                                                                                                      \
+    }                                                                                                          \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
+    for (int64_t r = 0; r < B * Hkv * G; r++) {                                                               \
+        const int64_t g = r % G, bh = r / G;                                                                  \
+        float M = -INFINITY, L = 0.0f, *o = out + r * n;                                                       \
+        for (int64_t c = 0; c < nch; c++) {                                                                   \
+            const float mc = work[((bh * nch + c) * G + g) * W];                                              \
+            M = mc > M ? mc : M;                                                                               \
+        }                                                                                                      \
+        for (int64_t d = 0; d < n; d++) o[d] = 0.0f;                                                           \
+        if (M == -INFINITY) continue;                                                                          \
+        for (int64_t c = 0; c < nch; c++) {                                                                   \
+            const float *wc = work + ((bh * nch + c) * G + g) * W;                                            \
+            if (wc[0] == -INFINITY) continue;                                                                  \
+            const float f = expf(wc[0] - M);                                                                   \
+            for (int64_t d = 0; d < n; d++) o[d] += f * wc[1 + d];                                             \
+        }                                                                                                      \
+        for (int64_t d = 0; d < n; d++) L += o[d];                                                             \
+        for (int64_t d = 0; d < n; d++) o[d] /= L;                                                             \
+    }
+
+#define IMPORTANCE_ARGS const float *q, const void *kp, const int32_t *doc, const float *mask, float *out,            \
+                        float *work, int64_t B, int64_t Hkv, int64_t G, int64_t N, int64_t D, int64_t n, int64_t Bs, \
+                        int64_t Bm, int64_t Hm, int64_t kb, int64_t kh, float scale, int nthreads
+/* returns 0, or 1 when a document index was outside [-1, n) (those slots were skipped: the caller discards out) */
+int kvpos_importance_f32(IMPORTANCE_ARGS) {
+    typedef float T; const T *k = kp; int bad = 0; IMPORTANCE_BODY(IDENT, ld8_f32) return bad; }
+int kvpos_importance_bf16(IMPORTANCE_ARGS) {
+    typedef uint16_t T; const T *k = kp; int bad = 0; IMPORTANCE_BODY(bf16_load, ld8_bf16) return bad; }
