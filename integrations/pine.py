@@ -70,7 +70,7 @@ def document_layout(segment: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
 
 class PineLiteBackend:
     """Attention backend: PINE-lite over the bound cache (module docstring). Decode steps over storage="raw" run the
-    fused position-map kernel (one query variant per document) after the importance kernel; `read_counts` and
+    importance, shift and position-map kernels in one call (PositionedKV.decode_pine); `read_counts` and
     `importance_counts` say which path served each."""
 
     needs_cache = True
@@ -79,13 +79,16 @@ class PineLiteBackend:
         self.read_counts = {"fused": 0, "torch": 0}
         self.importance_counts = {"fused": 0, "torch": 0}   # which path computed each call's document importance
         self._layout: tuple | None = None           # (segments, positions, document_layout of them): one per step
+        self._doc32: torch.Tensor | None = None     # that layout's documents as int32
 
     def layout(self, seg: torch.Tensor, pos: torch.Tensor) -> tuple:
         """document_layout(seg, pos), computed once while the slots' segments and positions stay equal (every layer
         of a step reads the same ones; the check is against copies, so an in-place position change is seen)."""
         last = self._layout
         if last is None or last[0].shape != seg.shape or not torch.equal(last[0], seg) or not torch.equal(last[1], pos):
-            last = self._layout = (seg.clone(), pos.clone(), document_layout(seg, pos))
+            lay = document_layout(seg, pos)
+            last = self._layout = (seg.clone(), pos.clone(), lay)
+            self._doc32 = lay[0].to(torch.int32)    # the documents as the decode kernel reads them
         return last[2]
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
@@ -104,18 +107,20 @@ class PineLiteBackend:
         allowed = call.allowed().expand(B, 1, Lq, N)
         if call.window is not None:                 # importance over every causal key; the window at PINE's positions
             allowed = unwindowed(cache, call, allowed, torch.arange(N - Lq, N), "PineLiteBackend")
+        if Lq == 1:                                 # a decode step: one kernel call (storage="raw")
+            got = _decode_one_call(cache, call, self._doc32, start, size, end, allowed)
+            if got is not None:
+                self.read_counts["fused"] += 1
+                self.importance_counts["fused"] += 1
+                return AttentionCall.finish(got[:, :, None].to(call.query.dtype))
         q_raw = unrotate(call.query, pos[:, N - Lq:], layer.spec)
-        imp = _importance_fused(cache, call, q_raw, doc, n, size, allowed) if Lq == 1 else None
-        self.importance_counts["torch" if imp is None else "fused"] += 1
-        if imp is None:
-            imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
+        imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
+        self.importance_counts["torch"] += 1
+        self.read_counts["torch"] += 1
         shift = pine_shifts(imp, start, size, end)
         if call.window is not None:
             allowed = allowed & shifted_window(pos[:, N - Lq:], pos, doc, shift, call.window)   # [B, Hq, q, N]
-        out = _decode_fused(cache, call, doc, shift, allowed) if Lq == 1 else None
-        self.read_counts["torch" if out is None else "fused"] += 1
-        if out is None:
-            out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
+        out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
 
 
@@ -142,32 +147,18 @@ def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, 
     return base.expand_as(allowed)
 
 
-def _importance_fused(cache: PositionedKV, call: AttentionCall, q_raw: torch.Tensor, doc: torch.Tensor, n: int,
-                      size: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
-    """segment_importance of one query row over storage="raw" by the importance kernel (the per-document softmax
-    mass divided by the document sizes): [B, Hq, 1, n] float32, or None where the kernel cannot serve. q_raw
-    [B, Hq, 1, D]; allowed [B, 1, 1, N] bool (no mask when every key is visible)."""
+def _decode_one_call(cache: PositionedKV, call: AttentionCall, doc32: torch.Tensor, start: torch.Tensor,
+                     size: torch.Tensor, end: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+    """One query row over storage="raw" in one kernel call (PositionedKV.decode_pine: the importance without RoPE,
+    the shifts, one query variant per document, the position-map decode; on a sliding-window layer the window at
+    each head's read distances): [B, Hq, D] float32, or None where the kernel cannot serve. allowed [B, 1, 1, N]
+    bool: what the query sees (on a sliding-window layer without the window); no mask when it sees every key."""
     mask = None
     if not bool(allowed.all()):
         mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
-    mass = cache.segment_mass(call.layer, q_raw[:, :, 0], doc, n, mask, call.scaling)
-    return None if mass is None else (mass / size[:, None, :].to(mass.dtype))[:, :, None]
-
-
-def _decode_fused(cache: PositionedKV, call: AttentionCall, doc: torch.Tensor, shift: torch.Tensor,
-                  allowed: torch.Tensor) -> torch.Tensor | None:
-    """One query row over storage="raw" by the position-map kernel: variant 0 the query as it is (non-document
-    slots), variant d + 1 the query turned back by document d's shift; allowed [B, 1 or Hq, 1, N] (one row per
-    query head on a sliding-window layer: the window at each head's read distances); [B, Hq, 1, D] float32 or
-    None."""
-    B, Hq, _, n = shift.shape
-    c, s = cos_sin((-shift).reshape(B, Hq, n), cache.layers[call.layer].spec)
-    turned = rotate_heads(call.query.float().expand(B, Hq, n, -1), c, s, cache.layers[call.layer].spec, 1.0)
-    q = torch.cat([call.query.float(), turned], 2)                                              # [B, Hq, n+1, D]
-    mask = torch.zeros(allowed.shape[0], allowed.shape[1], allowed.shape[-1]).masked_fill_(~allowed[:, :, 0],
-                                                                                          float("-inf"))
-    out = cache.decode_mapped(call.layer, q, mask, call.scaling, seg=doc + 1)
-    return None if out is None else out[:, :, None]
+    got = cache.decode_pine(call.layer, call.query[:, :, 0], doc32, start, size, end, mask, call.scaling,
+                            window=call.window)
+    return None if got is None else got[0]
 
 
 @contextlib.contextmanager

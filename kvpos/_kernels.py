@@ -27,7 +27,7 @@ import torch
 from ._checks import fail
 
 __all__ = ["rope_kernel_available", "kernel_status", "rope_apply_kernel", "decode_raw_kernel", "decode_heads_kernel",
-           "segment_mass_kernel", "decode_paged_kernel",
+           "segment_mass_kernel", "pine_decode_kernel", "decode_paged_kernel",
            "decode_q8_kernel", "score_int8_kernel",
            "topk_indices", "transpose_int8_blocks"]
 
@@ -96,6 +96,10 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     for name in ("kvpos_importance_f32", "kvpos_importance_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [vp] * 6 + [i64] * 11 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    for name in ("kvpos_pine_decode_f32", "kvpos_pine_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [vp] * 15 + [i64] * 15 + [ctypes.c_float, ctypes.c_float] + [ctypes.c_int] * 3
         fn.restype = ctypes.c_int
     lib.kvpos_decode_paged_f32.argtypes = [vp] * 7 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
     lib.kvpos_decode_paged_f32.restype = None
@@ -433,6 +437,75 @@ def segment_mass_kernel(q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, n: 
         fail("segment_mass_kernel doc", f"ints in [-1, n={n}) (each slot's document, -1 for none)",
              f"range [{int(dc.min())}, {int(dc.max())}]")
     return out
+
+
+def pine_decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       inv_freq: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
+                       end: torch.Tensor, kpos: torch.Tensor, qpos: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, attention_scaling: float, rotary_dim: int, interleaved: bool,
+                       window: int | None = None, angle_f32: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """PINE-lite's decode step in one kernel call (integrations/pine.py): (out [B, Hq, D] float32, shift [B, Hq, n]
+    int64), or None where the kernel cannot serve.
+
+    q [B, Hq, D] the model's rotated query (one row per batch row, at qpos [B] int64); k, v [B, Hkv, N, D] raw keys
+    and values as decode_raw_kernel; cos / sin [B|1, N, R/2] float32: the slots' tables times the attention scaling
+    (as decode_raw_kernel's); inv_freq [R/2] (the spec's); doc [B|1, N] ints in [-1, n) (-1: not a document slot);
+    start, size [B, n] int64 (each document's first position and slot count, every size >= 1); end [B] int64 (where
+    the documents end); kpos [B|1, N] int64 (the slots' positions); mask None or additive float32 [B|1, N] (what the
+    query sees, the importance too); window: a sliding window applied at the positions keys are READ at; angle_f32:
+    angles computed in float32 (the spec's angle dtype, as transformers does) rather than float64. The
+    kernel computes segment_importance without RoPE, pine_shifts, one query variant per document and
+    decode_heads_kernel with per-key variants (and per-head window masks); ValueError on document indices outside
+    [-1, n). Float64 references: `kvpos.reference.segment_mass_ref`, `kvpos.posmap.pine_shifts`,
+    `kvpos.reference.decode_heads_ref`."""
+    if torch.compiler.is_compiling():
+        return None
+    B, Hkv, N, D = k.shape
+    if (q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or k.device.type != "cpu"
+            or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype or v.shape != k.shape
+            or k.stride(3) != 1 or k.stride(2) != D or v.stride(3) != 1 or v.stride(2) != D or k.requires_grad
+            or v.requires_grad or cos.dtype != torch.float32 or sin.shape != cos.shape):
+        return None
+    Hq, h2 = q.shape[1], rotary_dim // 2
+    if Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0:
+        return None
+    n = size.shape[-1]
+    if start.shape != (B, n) or size.shape != (B, n) or end.shape != (B,) or qpos.shape != (B,) or n < 1:
+        fail("pine_decode_kernel start / size / end / qpos", f"[B={B}, n], [B, n], [B], [B] with n >= 1",
+             f"{list(start.shape)}, {list(size.shape)}, {list(end.shape)}, {list(qpos.shape)}")
+    if bool((size < 1).any()):
+        fail("pine_decode_kernel size", "every document >= 1 slot", size.tolist())
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        fail("pine_decode_kernel window", "None or an int >= 1 (the layer's sliding window)", repr(window))
+    cs, sn = cos.reshape(-1, N, h2).contiguous(), sin.reshape(-1, N, h2).contiguous()
+    kp = kpos.to(torch.int64).reshape(-1, N).contiguous()
+    dc = doc.to(torch.int32).reshape(-1, N).contiguous()
+    m = _head_mask(mask, B, 1, N, "pine_decode_kernel")
+    if cs.shape[0] not in (1, B) or kp.shape[0] != cs.shape[0] or dc.shape[0] not in (1, B):
+        fail("pine_decode_kernel cos / kpos / doc", f"[1 or B={B}, N={N}, ...], kpos with the tables' rows",
+             f"{list(cs.shape)}, {list(kp.shape)}, {list(dc.shape)}")
+    lib = _get()
+    if lib is None:
+        return None
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    shift = torch.empty(B, Hq, n, dtype=torch.int64)
+    qc = q.to(torch.float32).contiguous()
+    inv = inv_freq.to(torch.float64).contiguous()
+    st, sz = start.to(torch.int64).contiguous(), size.to(torch.int64).contiguous()
+    en, qp = end.to(torch.int64).contiguous(), qpos.to(torch.int64).contiguous()
+    fn = lib.kvpos_pine_decode_f32 if k.dtype == torch.float32 else lib.kvpos_pine_decode_bf16
+    bad = fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), cs.data_ptr(), sn.data_ptr(), inv.data_ptr(), dc.data_ptr(),
+             st.data_ptr(), sz.data_ptr(), en.data_ptr(), kp.data_ptr(), qp.data_ptr(),
+             0 if m is None else m.data_ptr(), out.data_ptr(), shift.data_ptr(), B, Hkv, Hq // Hkv, N, D,
+             rotary_dim, n, cs.shape[0], dc.shape[0], 1 if m is None else m.shape[0], k.stride(0), k.stride(1),
+             v.stride(0), v.stride(1), 0 if window is None else window, float(scale), float(attention_scaling),
+             1 if interleaved else 0, 1 if angle_f32 else 0, max(1, torch.get_num_threads()))
+    if bad & 4:
+        raise MemoryError("pine_decode_kernel: the kernel could not allocate its scratch buffers")
+    if bad & 1:
+        fail("pine_decode_kernel doc", f"ints in [-1, n={n}) (each slot's document, -1 for none)",
+             f"range [{int(dc.min())}, {int(dc.max())}]")
+    return out, shift
 
 
 def decode_q8_kernel(q: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import fail
-from .._kernels import decode_heads_kernel, decode_q8_kernel, decode_raw_kernel, segment_mass_kernel
+from .._kernels import decode_heads_kernel, decode_q8_kernel, decode_raw_kernel, pine_decode_kernel
 from .storages import INT8, RAW, StorageMode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
@@ -186,18 +186,27 @@ class _Reads:
         k, v, cos, sin = self.fused_inputs_raw(index, state)
         return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)
 
-    def segment_mass(self, index: int, q_raw: torch.Tensor, doc: torch.Tensor, n: int, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor | None:
-        """PINE's importance numerator over layer `index` (storage="raw") for one query row, by the fused kernel:
-        [B, Hq, n] float32, per query head the softmax of scale * q_raw.k_raw + mask over the slots of documents,
-        summed per document (`kvpos.posmap.segment_importance` times the document sizes); None where the kernel
-        cannot serve (another storage, no kernel, unsupported shapes). q_raw [B, Hq, D] unrotated; doc [B|1, T]
-        ints in [-1, n) (-1: not a document slot); mask None or additive float32 [B|1, T] or [B|1, 1|Hq, T].
-        Float64 reference: `kvpos.reference.segment_mass_ref`."""
+    def decode_pine(self, index: int, q: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
+                    end: torch.Tensor, mask: torch.Tensor | None, scale: float, window: int | None = None,
+                    state: "_ReadState | None" = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """PINE-lite's decode step over layer `index` (storage="raw") in one kernel call
+        (`kvpos._kernels.pine_decode_kernel`): (out [B, Hq, D] float32, shift [B, Hq, n] int64), or None where it
+        cannot serve. q [B, Hq, D] rotated, the query of the layer's last slot; doc [B|1, T] ints in [-1, n);
+        start / size [B, n], end [B] int64 (kvpos.integrations.pine.document_layout); mask None or additive
+        float32 [B|1, T]; window: the layer's sliding window, applied at the positions keys are read at."""
         l = self.layers[index]
         if l.mode is not RAW or not l.allocated:
             return None
-        return segment_mass_kernel(q_raw, l.raw_k[:, :, : l.n], doc, n, mask, scale)
+        st = self.read_state() if state is None else state
+        if st.n != l.n:
+            st = _ReadState(l.n)
+        spec = l.spec
+        cos, sin = st.scaled_cos_sin(spec, self.table.pos, l.slot_device)
+        pos = self.table.pos[:, : l.n]
+        return pine_decode_kernel(q, l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin, spec.inv_freq, doc, start,
+                                  size, end, pos, pos[:, -1], mask, scale, spec.attention_scaling, spec.rotary_dim,
+                                  spec.layout is RopeLayout.INTERLEAVED, window,
+                                  angle_f32=spec.angle_dtype == torch.float32)
 
     def decode_mapped(self, index: int, q: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       ratios: torch.Tensor | None = None, seg: torch.Tensor | None = None,

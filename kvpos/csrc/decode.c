@@ -1,4 +1,5 @@
 #include "common.h"
+#include <stdlib.h>
 
 /* Decode attention over RAW keys (rotate on read, never materialised). One query token per row.
    q float32 [B, Hq, D] contiguous (rotated by the model); k, v: T* [B, Hkv, *, D] with unit stride on D, stride D on
@@ -498,6 +499,18 @@ void kvpos_decode_q8_bf16(DECODE_Q8_ARGS) {
    slots) as in the decode kernel: the chunk's max and per-document sums of exp(score - max) per query, merged
    afterwards (split-K). AVX2 path: the dot products and exp for D a multiple of 8; otherwise plain C. */
 #define IMP_SKIP(dj) ((dj) < 0 || (dj) >= n)
+/* x[0] + ... + x[len - 1] (eight lanes at a time where AVX2 is built) */
+static inline float run_sum(const float *x, int64_t len) {
+    float t = 0.0f;
+    int64_t i = 0;
+#if KV_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (; i + 8 <= len; i += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(x + i));
+    t = hsum8(a);
+#endif
+    for (; i < len; i++) t += x[i];
+    return t;
+}
 #define IMP_DOTS_SCALAR(LOAD)                                                                                      \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
         const int32_t dj = drow[j];                                                                            \
@@ -524,13 +537,21 @@ void kvpos_decode_q8_bf16(DECODE_Q8_ARGS) {
             continue;                                                                                          \
         }                                                                                                      \
         const T *kj = kr + j * D;                                                                              \
-        __m256 acc[KV_MAXG];                                                                                   \
-        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
-        for (int64_t i = 0; i < D; i += 8) {                                                                   \
+        __m256 acc[KV_MAXG], acc2[KV_MAXG];          /* two chains per query: half the FMA latency per key */  \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = acc2[g] = _mm256_setzero_ps();                             \
+        int64_t i = 0;                                                                                         \
+        for (; i + 16 <= D; i += 16) {                                                                         \
+            const __m256 x = LD8(kj + i), y = LD8(kj + i + 8);                                                 \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]);                          \
+                acc2[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i + 8), y, acc2[g]);                    \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (; i < D; i += 8) {                                                                                \
             const __m256 x = LD8(kj + i);                                                                      \
             for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), x, acc[g]);\
         }                                                                                                      \
-        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(_mm256_add_ps(acc[g], acc2[g])) * scale + HEAD_ADD(g);\
     }
 #define IMP_DOTS_VEC(LD8) BY_G(IMP_DOTS_AVX2, LD8)
 #else
@@ -560,7 +581,13 @@ void kvpos_decode_q8_bf16(DECODE_Q8_ARGS) {
             int64_t j = 0;                                                                                     \
             KV_EXP_VEC                                                                                         \
             for (; j < nj; j++) sc[g][j] = expf(sc[g][j] - m);                                                 \
-            for (j = 0; j < nj; j++) if (!IMP_SKIP(drow[j0 + j])) sums[drow[j0 + j]] += sc[g][j];              \
+            for (j = 0; j < nj;) {                   /* per run of slots of one document */                   \
+                const int32_t dj = drow[j0 + j];                                                               \
+                int64_t e = j + 1;                                                                             \
+                while (e < nj && drow[j0 + e] == dj) e++;                                                      \
+                if (!IMP_SKIP(dj)) sums[dj] += run_sum(sc[g] + j, e - j);                                      \
+                j = e;                                                                                         \
+            }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
@@ -591,3 +618,118 @@ int kvpos_importance_f32(IMPORTANCE_ARGS) {
     typedef float T; const T *k = kp; int bad = 0; IMPORTANCE_BODY(IDENT, ld8_f32) return bad; }
 int kvpos_importance_bf16(IMPORTANCE_ARGS) {
     typedef uint16_t T; const T *k = kp; int bad = 0; IMPORTANCE_BODY(bf16_load, ld8_bf16) return bad; }
+
+/* PINE-lite's decode step in one call (integrations/pine.py), one query row per batch row: the query unrotated
+   (angles qpos * inv_freq in double, divided by the attention scaling ascale), each document's importance by
+   kvpos_importance_* (mass / size), the documents sorted by importance (descending, ties by index), the most
+   important ending at end[b], the next right before it (shift = new start - start, written to shift [B, Hq, n]
+   int64), one query variant per document (the query turned back by its shift, in registers of double angles), and
+   kvpos_decode_heads_* over the slot tables cs / sn [Bc, N, R/2] (scaled, as the plain kernel's) with each key
+   scored by its document's variant. imask float32 additive [Bm, N] or NULL: what the query sees (the importance
+   too); window > 0: a sliding window over the positions keys are READ at (qpos - (kpos + its document's shift) <
+   window, kpos int64 [Bc, N]), one mask row per query head. doc int32 [Bs, N] in [-1, n); start, size int64 [B, n];
+   end, qpos int64 [B]. Returns 0, or bit 1 (a document index outside [-1, n)), bit 4 (out of memory): the caller
+   discards out. Float64 reference: kvpos.reference.segment_mass_ref + kvpos.posmap.pine_shifts +
+   kvpos.reference.decode_heads_ref. */
+typedef struct { float imp; int64_t d; } pine_rank;
+static int pine_rank_cmp(const void *a, const void *b) {
+    const pine_rank *x = a, *y = b;
+    if (x->imp != y->imp) return x->imp > y->imp ? -1 : 1;
+    return x->d < y->d ? -1 : (x->d > y->d);
+}
+/* cos / sin [R/2] of the angles t * inv_freq (t an integer position or distance); angle_f32: the angle computed in
+   float32 (the spec's angle dtype, as transformers computes it) and its cos / sin in float32, else all in double */
+static void pine_angles(double t, const double *inv_freq, int64_t h2, int angle_f32, float *c, float *s) {
+    for (int64_t i = 0; i < h2; i++) {
+        if (angle_f32) {
+            const float a = (float)t * (float)inv_freq[i];
+            c[i] = cosf(a); s[i] = sinf(a);
+        } else {
+            const double a = t * inv_freq[i];
+            c[i] = (float)cos(a); s[i] = (float)sin(a);
+        }
+    }
+}
+/* x (D floats) turned BACK by the angles of (c, s) into y (the conjugate rotation), rotary dims times `mul`,
+   pass-through dims copied */
+static void pine_turn(const float *x, float *y, const float *c, const float *s, int64_t D, int64_t R, int layout,
+                      float mul) {
+    const int64_t h2 = R / 2;
+    for (int64_t i = 0; i < h2; i++) {
+        const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;
+        y[ia] = (x[ia] * c[i] + x[ie] * s[i]) * mul;
+        y[ie] = (x[ie] * c[i] - x[ia] * s[i]) * mul;
+    }
+    for (int64_t i = R; i < D; i++) y[i] = x[i];
+}
+#define PINE_ARGS const float *q, const void *kp, const void *vp, const float *cs, const float *sn,                \
+                  const double *inv_freq, const int32_t *doc, const int64_t *start, const int64_t *size,            \
+                  const int64_t *end, const int64_t *kpos, const int64_t *qpos, const float *imask, float *out,     \
+                  int64_t *shift, int64_t B, int64_t Hkv, int64_t G, int64_t N, int64_t D, int64_t R, int64_t n,    \
+                  int64_t Bc, int64_t Bs, int64_t Bm, int64_t kb, int64_t kh, int64_t vb, int64_t vh,              \
+                  int64_t window, float scale, float ascale, int layout, int angle_f32, int nthreads
+#define PINE_BODY(SUFFIX)                                                                                      \
+    const int64_t Hq = Hkv * G, V = n + 1, nch = (N + KV_CHUNK - 1) / KV_CHUNK;                               \
+    const int64_t wn = G * (n + 1 > D + 2 ? n + 1 : D + 2) * B * Hkv * nch;                                    \
+    float *qr = malloc(B * Hq * D * sizeof(float)), *mass = malloc(B * Hq * n * sizeof(float));               \
+    float *qv = malloc(B * Hq * V * D * sizeof(float)), *work = malloc(wn * sizeof(float));                   \
+    float *mask = window > 0 ? malloc(B * Hq * N * sizeof(float)) : 0;                                         \
+    int32_t *seg = malloc(Bs * N * sizeof(int32_t));                                                           \
+    int64_t *zero = calloc(Hq, sizeof(int64_t));                                                               \
+    pine_rank *rank = malloc(n * sizeof(pine_rank));                                                           \
+    float *ang = malloc(2 * (n + 1) * (R / 2 + 1) * sizeof(float));  /* cos / sin per document (+ the query) */\
+    int64_t *last = malloc(n * sizeof(int64_t));                      /* the shift each document's angles hold */\
+    int bad = 0;                                                                                               \
+    if (!qr || !mass || !qv || !work || (window > 0 && !mask) || !seg || !zero || !rank || !ang || !last) bad = 4;\
+    if (!bad) {                                                                                                \
+        const int64_t h2 = R / 2;                                                                              \
+        float *qc = ang + 2 * n * h2, *qs = qc + h2;                                                           \
+        for (int64_t r = 0; r < B * Hq; r++) {                                                                 \
+            if (r % Hq == 0) pine_angles((double)qpos[r / Hq], inv_freq, h2, angle_f32, qc, qs);               \
+            pine_turn(q + r * D, qr + r * D, qc, qs, D, R, layout, 1.0f / ascale);                             \
+        }                                                                                                      \
+        for (int64_t d = 0; d < n; d++) last[d] = INT64_MIN;                                                   \
+        bad |= kvpos_importance_##SUFFIX(qr, kp, doc, imask, mass, work, B, Hkv, G, N, D, n, Bs, Bm, 1, kb, kh,\
+                                         scale, nthreads);                                                     \
+        for (int64_t r = 0; r < B * Hq; r++) {                                                                 \
+            const int64_t b = r / Hq;                                                                          \
+            for (int64_t d = 0; d < n; d++) rank[d] = (pine_rank){mass[r * n + d] / (float)size[b * n + d], d};\
+            qsort(rank, n, sizeof(pine_rank), pine_rank_cmp);                                                  \
+            int64_t new_end = end[b];                                                                          \
+            for (int64_t i = 0; i < n; i++) {                                                                  \
+                const int64_t d = rank[i].d, ns = new_end - size[b * n + d];                                   \
+                shift[r * n + d] = ns - start[b * n + d];                                                      \
+                new_end = ns;                                                                                  \
+            }                                                                                                  \
+            memcpy(qv + r * V * D, q + r * D, D * sizeof(float));                                              \
+            for (int64_t d = 0; d < n; d++) {                                                                  \
+                float *c = ang + 2 * d * h2, *sv = c + h2;       /* kept while the document's shift repeats */ \
+                if (shift[r * n + d] != last[d]) {                                                             \
+                    pine_angles((double)shift[r * n + d], inv_freq, h2, angle_f32, c, sv);                     \
+                    last[d] = shift[r * n + d];                                                                \
+                }                                                                                              \
+                pine_turn(q + r * D, qv + (r * V + d + 1) * D, c, sv, D, R, layout, 1.0f);                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t j = 0; j < Bs * N; j++) seg[j] = doc[j] >= 0 && doc[j] < n ? doc[j] + 1 : 0;             \
+        if (window > 0)                                                                                        \
+            for (int64_t r = 0; r < B * Hq; r++) {                                                             \
+                const int64_t b = r / Hq;                                                                      \
+                const int32_t *drow = doc + (Bs > 1 ? b : 0) * N;                                              \
+                const int64_t *prow = kpos + (Bc > 1 ? b : 0) * N;                                             \
+                for (int64_t j = 0; j < N; j++) {                                                              \
+                    const int32_t d = drow[j];                                                                 \
+                    const int64_t at = prow[j] + (d >= 0 && d < n ? shift[r * n + d] : 0);                     \
+                    const float m = imask ? imask[(Bm > 1 ? b : 0) * N + j] : 0.0f;                            \
+                    mask[r * N + j] = qpos[b] - at < window ? m : -INFINITY;                                   \
+                }                                                                                              \
+            }                                                                                                  \
+        bad |= kvpos_decode_heads_##SUFFIX(qv, kp, vp, cs, sn, zero, seg, 0, 0, window > 0 ? mask : imask, out,\
+                                           work, B, Hkv, G, V, N, D, R, Bc, Bs, window > 0 ? B : Bm,           \
+                                           window > 0 ? Hq : 1, kb, kh, vb, vh, scale, layout, nthreads);      \
+    }                                                                                                          \
+    free(qr); free(mass); free(qv); free(work); free(mask); free(seg); free(zero); free(rank); free(ang);      \
+    free(last);                                                                                                \
+    return bad;
+int kvpos_pine_decode_f32(PINE_ARGS) { PINE_BODY(f32) }
+int kvpos_pine_decode_bf16(PINE_ARGS) { PINE_BODY(bf16) }
