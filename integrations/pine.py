@@ -17,9 +17,13 @@ up to exact ties in the importance sort and float summation order.
 Sliding-window layers (Gemma 3, Qwen2 / Mistral with a window): transformers hides keys by SLOT distance, which
 would make which documents such a layer sees depend on their order in the cache. Under PINE the window follows
 the positions keys are read at instead (kvpos.posmap.shifted_window: query position - read position < window), the
-importance is computed over every causal key, and a decode step over storage="raw" gives the fused kernel one
-mask row per query head (each head moves the documents by its own shifts). A custom mask inside the window is
-refused (`unwindowed`).
+importance is computed over every causal key, and a decode step over storage="raw" applies the window per query
+head (each head moves the documents by its own shifts). A custom mask inside the window is refused (`unwindowed`).
+
+Decode steps over storage="raw" run in one kernel call per layer (PositionedKV.decode_pine,
+kvpos._kernels.pine_decode_kernel): the importance without RoPE, the sort, one query variant per document and the
+position-map decode, all in C; prefill rows (the question) and other storages take the torch path
+(segment_importance, pine_shifts, offset_attend), which computes the same numbers.
 
 PINE's full form (`pine_prefill`): the documents are prefilled together, each right-aligned to end at E (the
 prefix length + all document tokens), under `PineDocPhase`: the rows of document i read the prefix plainly, their
