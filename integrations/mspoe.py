@@ -25,7 +25,7 @@ from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 from kvpos.posmap import (MS_POE_FIRST_LAYER, MS_POE_MAX, MS_POE_MIN, HeadScales, assign_ratios, ms_poe_scales,
                           position_awareness, rotate_heads, scaled_attend, scaled_cos_sin)
-from kvpos.rope import unrotate
+from kvpos.rope import cos_sin, unrotate
 from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
 
 __all__ = ["MsPoEBackend", "use_ms_poe", "ms_poe_scales", "HeadScales"]
@@ -44,6 +44,7 @@ class MsPoEBackend:
         self._scored: dict | None = None            # scored form: its parameters and the head order chosen per layer
         self.head_index: dict[int, torch.Tensor] = {}
         self.read_counts = {"fused": 0, "torch": 0}  # which path served each scaled call (decode: the fused kernel)
+        self._turns = _QueryTurns()
 
     @classmethod
     def scored(cls, layers: int, q_heads: int, rule: str = "rank", r_min: float = MS_POE_MIN,
@@ -96,25 +97,66 @@ class MsPoEBackend:
                  list(self.scales.ratios.shape))
         pos = cache.table.pos[:, :N].to(call.query.device)
         q_pos = pos[:, N - Lq:]
-        q_raw = unrotate(call.query, q_pos, layer.spec)
+        spec = layer.spec
+        if Lq == 1:                                 # decode: the query's angles once per step, shared by the layers
+            c, s = self._turns.unrotate(q_pos, spec)
+            q_raw = rotate_heads(call.query, c, -s, spec, 1.0 / spec.attention_scaling)
+        else:
+            q_raw = unrotate(call.query, q_pos, spec)
         k_raw = layer.raw_keys
         allowed = call.allowed().expand(B, 1, Lq, N)
         if r is None:
             r = self._choose(call, q_raw, k_raw, allowed)
-        out = _decode_fused(cache, call, q_raw, q_pos, r, allowed) if Lq == 1 else None
+        out = _decode_fused(cache, call, q_raw, self._turns.scaled(q_pos, r, spec), r, allowed) if Lq == 1 else None
         self.read_counts["torch" if out is None else "fused"] += 1
         if out is None:
-            out = scaled_attend(q_raw, k_raw, layer.values, q_pos, pos, r, layer.spec, call.scaling, allowed)
+            out = scaled_attend(q_raw, k_raw, layer.values, q_pos, pos, r, spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
 
 
-def _decode_fused(cache: PositionedKV, call: AttentionCall, q_raw: torch.Tensor, q_pos: torch.Tensor,
-                  r: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+class _QueryTurns:
+    """The angles of one decode step's query position, made once and shared by the layers (every layer of a step
+    reads the same position; the check is against a copy, so the next step's position is seen): (cos, sin) of the
+    position to unrotate the query, and of position / r_h per ratio table to rotate it back at Ms-PoE's scales."""
+
+    def __init__(self) -> None:
+        self._pos: torch.Tensor | None = None
+        self._memo: dict = {}
+
+    def _at(self, q_pos: torch.Tensor) -> dict:
+        if self._pos is None or self._pos.shape != q_pos.shape or not torch.equal(self._pos, q_pos):
+            self._pos, self._memo = q_pos.clone(), {}
+        return self._memo
+
+    def unrotate(self, q_pos: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin(q_pos) [B, 1, S, R/2] (unscaled, the spec's angle dtype)."""
+        memo = self._at(q_pos)
+        key = ("un", spec.identity)
+        if key not in memo:
+            c, s = cos_sin(q_pos, spec)
+            memo[key] = (c[:, None], s[:, None])
+        return memo[key]
+
+    def scaled(self, q_pos: torch.Tensor, r: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """scaled_cos_sin(q_pos, r) [B, Hq, S, R/2]."""
+        memo = self._at(q_pos)
+        key = ("scaled", spec.identity, tuple(r.tolist()))
+        if key not in memo:
+            memo[key] = scaled_cos_sin(q_pos, r, spec)
+        return memo[key]
+
+
+def _decode_fused(cache: PositionedKV, call: AttentionCall, q_raw: torch.Tensor,
+                  turns: tuple[torch.Tensor, torch.Tensor], r: torch.Tensor, allowed: torch.Tensor
+                  ) -> torch.Tensor | None:
     """One query row per batch row over storage="raw" by the position-map decode kernel: [B, Hq, 1, D] float32,
-    or None where it cannot serve (then scaled_attend computes the same numbers)."""
+    or None where it cannot serve (then scaled_attend computes the same numbers). turns: scaled_cos_sin of the
+    query position at the ratios r; allowed [B, 1, 1, N] (no mask when every key is visible)."""
     spec = cache.layers[call.layer].spec
-    q = rotate_heads(q_raw, *scaled_cos_sin(q_pos, r, spec), spec, spec.attention_scaling)       # [B, Hq, 1, D]
-    mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
+    q = rotate_heads(q_raw, *turns, spec, spec.attention_scaling)                                   # [B, Hq, 1, D]
+    mask = None
+    if not bool(allowed.all()):
+        mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
     out = cache.decode_mapped(call.layer, q, mask, call.scaling, ratios=r)
     return None if out is None else out[:, :, None]
 

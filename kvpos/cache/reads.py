@@ -238,8 +238,9 @@ class _Reads:
                         else st.mapped_cos_sin(spec, positions))
             table = torch.zeros(q.shape[1], dtype=torch.long)
             return decode_heads_kernel(q, k, v, cos[None], sin[None], table, seg, mask, scale, R, inter)
-        vals, table = torch.unique(ratios.double(), return_inverse=True)
-        key = tuple(vals.tolist())
+        listed = ratios.double().tolist()                      # a few heads: unique in Python, no torch call
+        key = tuple(sorted(set(listed)))
+        vals, table = torch.tensor(key, dtype=torch.float64), torch.tensor([key.index(x) for x in listed])
         fac = st.factored(spec, key, self.table.pos)
         if fac is not None:
             return decode_heads_kernel(q, k, v, fac[0], fac[1], table, seg, mask, scale, R, inter,
