@@ -111,8 +111,10 @@ def test_indices_out_of_range_are_refused_before_the_kernel_reads_them():
                             False)
 
 
-@pytest.mark.parametrize("layout,R,scaling", [(RopeLayout.HALF, 64, 1.0), (RopeLayout.INTERLEAVED, 32, 1.3)])
-def test_factored_tables_give_per_head_scales_equal_to_the_float64_reference(layout, R, scaling):
+@pytest.mark.parametrize("layout,R,scaling", [(RopeLayout.HALF, 64, 1.0), (RopeLayout.INTERLEAVED, 32, 1.3),
+                                              (RopeLayout.HALF, 32, 1.0)])
+@pytest.mark.parametrize("variants", [2, 1])   # 1: no segments (Ms-PoE's own loop in the kernel)
+def test_factored_tables_give_per_head_scales_equal_to_the_float64_reference(layout, R, scaling, variants):
     g = torch.Generator().manual_seed(3)
     spec = spec_for(64, R, layout, scaling)
     B, Hkv, G, N = 2, 3, 3, 333
@@ -122,8 +124,8 @@ def test_factored_tables_give_per_head_scales_equal_to_the_float64_reference(lay
     cos, sin = factored_tables(ratios, 9000, spec)
     assert cos.shape == (4, 64 + 141, R // 2)
     head_table = torch.randint(0, 4, (Hkv * G,), generator=g)
-    q = torch.randn(B, Hkv * G, 2, 64, generator=g)
-    seg = torch.randint(0, 2, (B, N), generator=g)
+    q = torch.randn(B, Hkv * G, variants, 64, generator=g)
+    seg = torch.randint(0, 2, (B, N), generator=g) if variants > 1 else None
     out = decode_heads_kernel(q, k, v, cos, sin, head_table, seg, None, 0.125, R, layout is RopeLayout.INTERLEAVED,
                               fpos=pos)
     ref = decode_heads_ref(q, k, v, pos.double()[None] / ratios.double()[:, None, None], head_table, seg, spec,

@@ -334,10 +334,55 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         }                                                                                                      \
         for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
     }
+/* factored tables and one query variant (Ms-PoE's per-head scales): per key, each head turns it by its table's row
+   t mod 64; the queries turned back by row 64 + t / 64 once per run of 64 positions */
+#define HEADS_FACTORED_AVX2(LD8, GC)                                                                           \
+    for (int64_t j = j0; j < j1; j++) {                                                                       \
+        int64_t tj = fpos[bc * N + j];                                                                         \
+        if (tj < 0 || (tj >> 6) >= NT - 64) { tj = 0; _Pragma("omp atomic") bad |= 2; }                       \
+        const int64_t hi = tj >> 6, lo = (tj & 63) * h2;                                                       \
+        if (hi != qhi) {                                                                                       \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                const float *q0 = q + (b * Hkv * G + h * G + g) * V * D;                                       \
+                const float *ch = ftab[g] + (64 + hi) * h2, *nh = fsin[g] + (64 + hi) * h2;                    \
+                for (int64_t i = 0; i < h2; i++) {                                                             \
+                    qbuf[g][i] = q0[i] * ch[i] + q0[i + h2] * nh[i];                                           \
+                    qbuf[g][i + h2] = q0[i + h2] * ch[i] - q0[i] * nh[i];                                      \
+                }                                                                                              \
+                for (int64_t i = R; i < D; i++) qbuf[g][i] = q0[i];                                            \
+            }                                                                                                  \
+            qhi = hi;                                                                                          \
+        }                                                                                                      \
+        const T *kj = kr + j * D;                                                                              \
+        __m256 acc[KV_MAXG];                                                                                   \
+        for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_setzero_ps();                                       \
+        for (int64_t i = 0; i < h2; i += 8) {                                                                  \
+            const __m256 a = LD8(kj + i), e = LD8(kj + i + h2);                                                \
+            for (int64_t g = 0; g < (GC); g++) {                                                               \
+                const __m256 c = _mm256_loadu_ps(ftab[g] + lo + i), n = _mm256_loadu_ps(fsin[g] + lo + i);     \
+                const __m256 ra = _mm256_fmsub_ps(a, c, _mm256_mul_ps(e, n));                                  \
+                const __m256 rb = _mm256_fmadd_ps(e, c, _mm256_mul_ps(a, n));                                  \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qbuf[g] + i), ra, acc[g]);                            \
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qbuf[g] + i + h2), rb, acc[g]);                       \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = R; i < D; i += 8) {                                                                   \
+            const __m256 x = LD8(kj + i);                                                                      \
+            for (int64_t g = 0; g < (GC); g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qbuf[g] + i), x, acc[g]);\
+        }                                                                                                      \
+        for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
+    }
 #define HEADS_SCORES_AVX2(LD8, GC)                                                                             \
     if (!fpos && shared) {                                                                                     \
         const float *ctab = cs + (hrow[h * G] * Bc + bc) * N * h2, *ntab = sn + (hrow[h * G] * Bc + bc) * N * h2;\
         HEADS_ONE_TABLE_AVX2(LD8, GC)                                                                          \
+    } else if (fpos && !srow) {                                                                                \
+        const float *ftab[KV_MAXG], *fsin[KV_MAXG];                                                            \
+        for (int64_t g = 0; g < (GC); g++) {                                                                   \
+            ftab[g] = cs + hrow[h * G + g] * NT * h2; fsin[g] = sn + hrow[h * G + g] * NT * h2;                \
+        }                                                                                                      \
+        int64_t qhi = -1;                                                                                      \
+        HEADS_FACTORED_AVX2(LD8, GC)                                                                           \
     } else                                                                                                     \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
         HEADS_PRE                                                                                              \
