@@ -120,13 +120,13 @@ class _QueryTurns:
     position to unrotate the query, and of position / r_h per ratio table to rotate it back at Ms-PoE's scales."""
 
     def __init__(self) -> None:
-        self._pos: torch.Tensor | None = None
-        self._memo: dict = {}
+        self.last: torch.Tensor | None = None
+        self.memo: dict = {}
 
     def _at(self, q_pos: torch.Tensor) -> dict:
-        if self._pos is None or self._pos.shape != q_pos.shape or not torch.equal(self._pos, q_pos):
-            self._pos, self._memo = q_pos.clone(), {}
-        return self._memo
+        if self.last is None or self.last.shape != q_pos.shape or not torch.equal(self.last, q_pos):
+            self.last, self.memo = q_pos.clone(), {}
+        return self.memo
 
     def unrotate(self, q_pos: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_sin(q_pos) [B, 1, S, R/2] (unscaled, the spec's angle dtype)."""

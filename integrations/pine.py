@@ -21,7 +21,7 @@ importance is computed over every causal key, and a decode step over storage="ra
 head (each head moves the documents by its own shifts). A custom mask inside the window is refused (`unwindowed`).
 
 Decode steps over storage="raw" run in one kernel call per layer (PositionedKV.decode_pine,
-kvpos._kernels.pine_decode_kernel): the importance without RoPE, the sort, one query variant per document and the
+kvpos._posmap_kernels.pine_decode_kernel): the importance without RoPE, the sort, one query variant per document and the
 position-map decode, all in C; prefill rows (the question) and other storages take the torch path
 (segment_importance, pine_shifts, offset_attend), which computes the same numbers.
 

@@ -100,7 +100,7 @@ def scaled_cos_sin(pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec) -> t
 
 
 def factored_tables(ratios: torch.Tensor, positions: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factored rotation tables of the position-map decode kernel (`kvpos._kernels.decode_heads_kernel` with
+    """The factored rotation tables of the position-map decode kernel (`kvpos._posmap_kernels.decode_heads_kernel` with
     fpos) for positions 0 .. positions-1 at scales p -> p / r: cos, sin [Rt, 64 + ceil(positions / 64), R/2] float32,
     row l < 64 the angle (l / r) * inv_freq, row 64 + m the angle (64 m / r) * inv_freq times the attention scaling
     (computed in float64, rounded once). ratios [Rt] > 0."""

@@ -1,11 +1,12 @@
-"""The fused decode kernel under read-time position maps (kvpos._kernels.decode_heads_kernel): every query head rotates
+"""The fused decode kernel under read-time position maps (kvpos._posmap_kernels.decode_heads_kernel): every query head rotates
 the raw keys with its own table (per-head position scales, Ms-PoE) and scores each key with the query variant of the
 key's segment (per-(head, segment) offsets, PINE). Checked against the float64 oracle that builds one rotation
 matrix per (head, key) from the mapped positions; identity maps are bit-identical to the plain raw-key kernel."""
 import pytest
 import torch
 
-from kvpos._kernels import decode_heads_kernel, decode_raw_kernel, rope_kernel_available
+from kvpos._kernels import decode_raw_kernel, rope_kernel_available
+from kvpos._posmap_kernels import decode_heads_kernel
 from kvpos.posmap import factored_tables
 from kvpos.reference import decode_heads_ref
 from kvpos.rope import RopeLayout

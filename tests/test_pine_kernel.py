@@ -1,4 +1,4 @@
-"""PINE-lite's decode step in C. The importance pass (kvpos._kernels.segment_mass_kernel: per query head, the
+"""PINE-lite's decode step in C. The importance pass (kvpos._posmap_kernels.segment_mass_kernel: per query head, the
 softmax of raw q.k over the slots of documents, summed per document) against the float64 oracle
 (kvpos.reference.segment_mass_ref) on the AVX2 and plain-C paths, fp32 and bf16 keys, one mask row for all heads or
 one per query head; the whole step in one call (pine_decode_kernel) against a float64 composition written another
@@ -8,7 +8,8 @@ inputs are refused by name."""
 import pytest
 import torch
 
-from kvpos._kernels import pine_decode_kernel, rope_kernel_available, segment_mass_kernel
+from kvpos._kernels import rope_kernel_available
+from kvpos._posmap_kernels import pine_decode_kernel, segment_mass_kernel
 from kvpos.posmap import pine_shifts, segment_importance
 from kvpos.reference import decode_heads_ref, rotate_ref, segment_mass_ref, unrotate_ref
 from kvpos.rope import RopeLayout, cos_sin

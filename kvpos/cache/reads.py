@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import fail
-from .._kernels import decode_heads_kernel, decode_q8_kernel, decode_raw_kernel, pine_decode_kernel
+from .._kernels import decode_q8_kernel, decode_raw_kernel
+from .._posmap_kernels import decode_heads_kernel, pine_decode_kernel
 from .storages import INT8, RAW, StorageMode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
@@ -190,7 +191,7 @@ class _Reads:
                     end: torch.Tensor, mask: torch.Tensor | None, scale: float, window: int | None = None,
                     state: "_ReadState | None" = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """PINE-lite's decode step over layer `index` (storage="raw") in one kernel call
-        (`kvpos._kernels.pine_decode_kernel`): (out [B, Hq, D] float32, shift [B, Hq, n] int64), or None where it
+        (`kvpos._posmap_kernels.pine_decode_kernel`): (out [B, Hq, D] float32, shift [B, Hq, n] int64), or None where it
         cannot serve. q [B, Hq, D] rotated, the query of the layer's last slot; doc [B|1, T] ints in [-1, n);
         start / size [B, n], end [B] int64 (kvpos.integrations.pine.document_layout); mask None or additive
         float32 [B|1, T]; window: the layer's sliding window, applied at the positions keys are read at."""
