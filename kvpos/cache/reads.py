@@ -187,6 +187,15 @@ class _Reads:
         k, v, cos, sin = self.fused_inputs_raw(index, state)
         return decode_raw_kernel(q, k, v, cos, sin, mask, scale, spec.rotary_dim, inter)
 
+    def _raw_read(self, index: int, state: "_ReadState | None") -> "tuple[SlotLayer, _ReadState] | None":
+        """(layer `index`, the read state its fused read shares) for a storage="raw" layer, None otherwise: `state`,
+        or the running forward's, or a fresh one where its slot count differs from the layer's."""
+        l = self.layers[index]
+        if l.mode is not RAW or not l.allocated:
+            return None
+        st = self.read_state() if state is None else state
+        return l, (st if st.n == l.n else _ReadState(l.n))
+
     def decode_pine(self, index: int, q: torch.Tensor, doc: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
                     end: torch.Tensor, mask: torch.Tensor | None, scale: float, window: int | None = None,
                     state: "_ReadState | None" = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -195,12 +204,10 @@ class _Reads:
         cannot serve. q [B, Hq, D] rotated, the query of the layer's last slot; doc [B|1, T] ints in [-1, n);
         start / size [B, n], end [B] int64 (kvpos.integrations.pine.document_layout); mask None or additive
         float32 [B|1, T]; window: the layer's sliding window, applied at the positions keys are read at."""
-        l = self.layers[index]
-        if l.mode is not RAW or not l.allocated:
+        got = self._raw_read(index, state)
+        if got is None:
             return None
-        st = self.read_state() if state is None else state
-        if st.n != l.n:
-            st = _ReadState(l.n)
+        l, st = got
         spec = l.spec
         cos, sin = st.scaled_cos_sin(spec, self.table.pos, l.slot_device)
         pos = self.table.pos[:, : l.n]
@@ -226,12 +233,10 @@ class _Reads:
         kvpos.posmap.window_decode_map; not with ratios). Float64 reference: `kvpos.reference.decode_heads_ref`."""
         if positions is not None and ratios is not None:
             fail("decode_mapped", "ratios or positions (one map at a time)", "both")
-        l = self.layers[index]
-        if l.mode is not RAW or not l.allocated:
+        got = self._raw_read(index, state)
+        if got is None:
             return None
-        st = self.read_state() if state is None else state
-        if st.n != l.n:
-            st = _ReadState(l.n)
+        l, st = got
         spec, R, inter = l.spec, l.spec.rotary_dim, l.spec.layout is RopeLayout.INTERLEAVED
         k, v = l.raw_k[:, :, : l.n], l.v[:, :, : l.n]
         if ratios is None:
