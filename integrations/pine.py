@@ -213,13 +213,13 @@ class PineDocPhase:
             sh = shift[:, :, i].gather(-1, key_doc.clamp_min(0)[:, None].expand(B, Hq, N)) * (key_doc >= 0)[:, None]
             c, s = cos_sin(pos[:, None, :] - sh, spec)                                      # [B, Hq, N, R/2]
             k = rotate_heads(keys, c, s, spec, spec.attention_scaling)
-            sc = (call.query[:, :, rows].float() @ k.transpose(-1, -2)) * call.scaling
             ok = allowed[:, :, rows]
             if call.window is not None:
                 read_at = pos[:, None, None, :] - sh[:, :, None, :]                          # [B, Hq, 1, N]
                 ok = ok & (pos[:, N - Lq:][:, rows][:, None, :, None] - read_at < call.window)
-            sc = sc.masked_fill(~ok, float("-inf"))
-            out[:, :, rows] = torch.softmax(sc, -1).nan_to_num(0.0) @ vals
+            att = torch.nn.functional.scaled_dot_product_attention(call.query[:, :, rows].float(), k, vals,
+                                                                   attn_mask=ok, scale=call.scaling)
+            out[:, :, rows] = att.nan_to_num(0.0) * ok.any(-1, keepdim=True)   # a row that sees no key: zeros
             at += size
         return AttentionCall.finish(out.to(call.query.dtype))
 

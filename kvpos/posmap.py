@@ -215,21 +215,38 @@ def pine_shifts(importance: torch.Tensor, start: torch.Tensor, size: torch.Tenso
     return torch.empty_like(shift_by_rank).scatter_(-1, order, shift_by_rank)
 
 
+def softmax_mass(q: torch.Tensor, k: torch.Tensor, group: torch.Tensor, n: int, sm_scale: float,
+                 allowed: torch.Tensor) -> torch.Tensor:
+    """Per query row and head, the softmax of sm_scale * q.k over the allowed keys that belong to a group, summed
+    per group (segment_importance before its division by the sizes, for many rows). q [B, Hq, q, D] float32, k
+    [B, Hq, N, D] float32, group [B, N] int64 in [-1, n) (-1: in no group, not in the softmax), allowed bool
+    [B, 1|Hq, q, N] (a row with no allowed group key gives zeros). One fused attention (torch's
+    scaled_dot_product_attention) with the groups' one-hot as the values, padded to the head width (the shape its
+    fused kernel takes; no [q, N] score tensor is made). Float32 [B, Hq, q, n]; float64 reference:
+    kvpos.reference.segment_mass_ref, row by row."""
+    B, Hq, Lq, D = q.shape
+    W = max(D, n)
+    ok = allowed & (group >= 0)[:, None, None, :]
+    onehot = torch.nn.functional.one_hot(group.clamp_min(0), W).float()                       # [B, N, W]
+    mass = torch.nn.functional.scaled_dot_product_attention(
+        q, k, onehot[:, None].expand(B, Hq, -1, W), attn_mask=ok, scale=sm_scale)[..., :n]
+    return mass.nan_to_num(0.0) * ok.any(-1, keepdim=True)
+
+
 def pair_importance(q_raw: torch.Tensor, k_raw: torch.Tensor, row_doc: torch.Tensor, key_doc: torch.Tensor, n_docs: int,
                     sm_scale: float) -> torch.Tensor:
     """PINE's document-phase importance, WITHOUT RoPE: each document row's softmax of raw q.k over the keys of the
     OTHER documents, averaged per key document (summed over its keys, divided by its size) and summed over the rows
     of each query document. q_raw [B, Hq, q, D] (row r of document row_doc[b, r], -1 for rows of no document),
     k_raw [B, H, N, D] with key_doc [B, N] (-1: not a document key). Returns float32 [B, Hq, n, n]: entry [i, j]
-    how much the rows of document i read document j (0 on the diagonal)."""
-    B, Hq, Lq, D = q_raw.shape
-    H, N = k_raw.shape[1], k_raw.shape[2]
-    g = Hq // H
-    s = (q_raw.float().reshape(B, H, g * Lq, D) @ k_raw.float().transpose(-1, -2)).reshape(B, Hq, Lq, N) * sm_scale
+    how much the rows of document i read document j (0 on the diagonal). The softmax mass by `softmax_mass`."""
+    Hq = q_raw.shape[1]
+    g = Hq // k_raw.shape[1]
     other = (key_doc[:, None, :] >= 0) & (key_doc[:, None, :] != row_doc[:, :, None])          # [B, q, N]
-    a = torch.softmax(s.masked_fill(~other[:, None], float("-inf")), -1).nan_to_num(0.0)
-    kd = torch.nn.functional.one_hot(key_doc.clamp_min(0), n_docs).float() * (key_doc >= 0)[..., None]   # [B, N, n]
-    per_doc = (a @ kd[:, None]) / kd.sum(1)[:, None, None].clamp_min(1)                      # [B, Hq, q, n]
+    mass = softmax_mass(q_raw.float(), k_raw.float().repeat_interleave(g, 1), key_doc, n_docs, sm_scale,
+                        other[:, None])                                                        # [B, Hq, q, n]
+    size = torch.nn.functional.one_hot(key_doc.clamp_min(0), n_docs).mul((key_doc >= 0)[..., None]).sum(1)
+    per_doc = mass / size[:, None, None].clamp_min(1)                                          # [B, Hq, q, n]
     rd = torch.nn.functional.one_hot(row_doc.clamp_min(0), n_docs).float() * (row_doc >= 0)[..., None]   # [B, q, n]
     return rd.transpose(1, 2)[:, None] @ per_doc                                              # [B, Hq, n, n]
 

@@ -140,3 +140,25 @@ def test_bad_inputs_are_named():
         pine_prefill(model, torch.tensor([1, 2]), docs)
     with pytest.raises(ValueError, match="pine_prefill docs"):
         pine_prefill(model, torch.tensor([[1, 2]]), [docs[0], torch.tensor([], dtype=torch.long)])
+
+
+@pytest.mark.parametrize("n", [3, 20])            # 20 > the head width 16: the values wider than the keys
+def test_the_fused_softmax_mass_equals_the_float64_reference(n):
+    """kvpos.posmap.softmax_mass (the document phase's importance through one fused attention with one-hot values)
+    against segment_mass_ref row by row: grouped-query heads, slots in no group, per-head masks, a row that sees
+    nothing (zeros)."""
+    from kvpos.posmap import softmax_mass
+    from kvpos.reference import segment_mass_ref
+
+    g = torch.Generator().manual_seed(3)
+    B, H, G, Lq, N, D = 2, 2, 3, 5, 40, 16
+    q = torch.randn(B, H * G, Lq, D, generator=g)
+    k = torch.randn(B, H, N, D, generator=g)
+    group = torch.randint(-1, n, (B, N), generator=g)
+    allowed = torch.rand(B, H * G, Lq, N, generator=g) > 0.3
+    allowed[1, 4, 2] = False                       # this row sees no key
+    got = softmax_mass(q, k.repeat_interleave(G, 1), group, n, 0.3, allowed)
+    for r in range(Lq):
+        want = segment_mass_ref(q[:, :, r], k, group, n, allowed[:, :, r], 0.3)
+        assert torch.allclose(got[:, :, r].double(), want, atol=1e-6), (r, (got[:, :, r].double() - want).abs().max())
+    assert torch.equal(got[1, 4, 2], torch.zeros(n))
