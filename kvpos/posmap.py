@@ -143,11 +143,9 @@ def scaled_attend(q_raw: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor, q_p
     s = spec.attention_scaling
     q = rotate_heads(q_raw, *scaled_cos_sin(q_pos, ratios, spec), spec, s)
     k = rotate_heads(k_raw.repeat_interleave(g, 1), *scaled_cos_sin(k_pos, ratios, spec), spec, s)
-    scores = (q @ k.transpose(-1, -2)) * sm_scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    w = torch.softmax(scores, -1).nan_to_num(0.0)
-    return w @ v.float().repeat_interleave(g, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float().repeat_interleave(g, 1),
+                                                           attn_mask=allowed, scale=sm_scale)   # fused, no [q, N]
+    return out if allowed is None else out.nan_to_num(0.0) * allowed.any(-1, keepdim=True)
 
 
 def position_awareness(q_raw_last: torch.Tensor, k_raw: torch.Tensor, allowed_last: torch.Tensor | None = None,
