@@ -18,6 +18,10 @@ SEG_CHUNK0 + d), then question slots. Two levels, each method timed in the same 
   kernel; wrope: kvpos's windowed retrieval, a top-k selection in torch) with STRING over storage="rotated" (its
   dense torch path) beside them.
   The step's slot is dropped after it (drop_tail_), so every step reads N slots.
+- prefill (--prefill-contexts, default 2048; --prefill-reps rounds): one forward over N random tokens (32 anchor
+  tokens, then 8 documents) into a fresh cache: plain, Ms-PoE's full form (the prompt under its scales, head orders
+  scored at the first call, as `full+mspoe` runs) and PINE's full form (`pine_prefill`: the documents under its
+  document phase).
 
 Medians over --reps rounds of --steps calls; ratios are method / plain of the same level. The acceptance target of
 the position-bias issue is <= 1.15x plain at 2k and 8k (per-head / per-query decode in the fused kernel).
@@ -34,8 +38,8 @@ from tqdm import tqdm
 from _common import bench_parser, machine, markdown_table, parse_bench_args, write_outputs
 from kvpos.compose import SEG_CHUNK0, SEG_QUERY
 from kvpos.integrations.hf import PositionedCache, bind_attention, extend, load_model
-from kvpos.integrations.mspoe import MsPoEBackend
-from kvpos.integrations.pine import PineLiteBackend
+from kvpos.integrations.mspoe import MsPoEBackend, use_ms_poe
+from kvpos.integrations.pine import PineLiteBackend, pine_prefill
 from kvpos.integrations.window import WindowBackend
 from kvpos.integrations.hf.specs import head_dim
 from kvpos.posmap import ms_poe_scales
@@ -112,6 +116,31 @@ def step_level(model, caches: dict[str, PositionedCache], n: int, scales) -> dic
     return fns
 
 
+def prefill_level(model, n: int, seed: int) -> dict[str, callable]:
+    """One forward over n random tokens (anchor + N_DOCS documents) into a fresh cache per method and call."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, n), generator=g)
+    doc_len = (n - ANCHOR) // N_DOCS
+    docs = [ids[0, ANCHOR + d * doc_len: ANCHOR + (d + 1) * doc_len] for d in range(N_DOCS)]
+    used = ids[:, :ANCHOR + N_DOCS * doc_len]
+
+    def plain(steps):
+        for _ in range(steps):
+            extend(model, PositionedCache.from_model(model), used)
+
+    def ms_poe_full(steps):
+        for _ in range(steps):
+            cache = PositionedCache.from_model(model)
+            with use_ms_poe(model, cache):
+                extend(model, cache, used)
+
+    def pine_full(steps):
+        for _ in range(steps):
+            pine_prefill(model, ids[:, :ANCHOR], docs)
+
+    return {"plain": plain, "ms_poe_full": ms_poe_full, "pine_full": pine_full}
+
+
 def timed_rounds(fns: dict[str, callable], steps: int, reps: int, desc: str) -> dict[str, float]:
     """Median seconds per call of each function, rounds rotating the order."""
     names = list(fns)
@@ -131,6 +160,9 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prefill-contexts", type=int, nargs="*", default=[2048],
+                    help="prompt lengths of the prefill level (none: skip it)")
+    ap.add_argument("--prefill-reps", type=int, default=3)
     a = parse_bench_args(ap, argv)
     model, _ = load_model(a.model)
     cfg = model.config
@@ -146,6 +178,11 @@ def main(argv=None):
             for k, v in t.items():
                 rows.append({"context": n, "level": level, "method": k, "ms": 1e3 * v, "vs_plain": v / t["plain"]})
         del raw, rotated
+    for n in a.prefill_contexts:
+        with torch.no_grad():
+            t = timed_rounds(prefill_level(model, n, a.seed), 1, a.prefill_reps, f"prefill {n}")
+        rows += [{"context": n, "level": "prefill", "method": k, "ms": 1e3 * v, "vs_plain": v / t["plain"]}
+                 for k, v in t.items()]
     table = markdown_table(rows, ["context", "level", "method", "ms", "vs_plain"],
                            {"ms": ".2f", "vs_plain": ".2f"})
     write_outputs(a.json, {"machine": machine(), "args": vars(a), "rows": rows}, table)
