@@ -24,7 +24,7 @@ import torch
 from kvpos._checks import fail
 from kvpos.cache import PositionedKV
 from kvpos.posmap import (MS_POE_FIRST_LAYER, MS_POE_MAX, MS_POE_MIN, HeadScales, assign_ratios, ms_poe_scales,
-                          position_awareness, rotate_heads, scaled_attend, scaled_cos_sin)
+                          position_awareness, rotate_heads, scaled_attend, turned_cos_sin)
 from kvpos.rope import cos_sin, unrotate
 from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
 
@@ -98,26 +98,30 @@ class MsPoEBackend:
         pos = cache.table.pos[:, :N].to(call.query.device)
         q_pos = pos[:, N - Lq:]
         spec = layer.spec
-        if Lq == 1:                                 # decode: the query's angles once per step, shared by the layers
-            c, s = self._turns.unrotate(q_pos, spec)
-            q_raw = rotate_heads(call.query, c, -s, spec, 1.0 / spec.attention_scaling)
-        else:
-            q_raw = unrotate(call.query, q_pos, spec)
-        k_raw = layer.raw_keys
         allowed = call.allowed().expand(B, 1, Lq, N)
+        q_raw = None
         if r is None:
-            r = self._choose(call, q_raw, k_raw, allowed)
-        out = _decode_fused(cache, call, q_raw, self._turns.scaled(q_pos, r, spec), r, allowed) if Lq == 1 else None
+            q_raw = self._unrotated(call, q_pos, spec)
+            r = self._choose(call, q_raw, layer.raw_keys, allowed)
+        out = _decode_fused(cache, call, self._turns.turned(q_pos, r, spec), r, allowed) if Lq == 1 else None
         self.read_counts["torch" if out is None else "fused"] += 1
         if out is None:
-            out = scaled_attend(q_raw, k_raw, layer.values, q_pos, pos, r, spec, call.scaling, allowed)
+            q_raw = self._unrotated(call, q_pos, spec) if q_raw is None else q_raw
+            out = scaled_attend(q_raw, layer.raw_keys, layer.values, q_pos, pos, r, spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
+
+    def _unrotated(self, call: AttentionCall, q_pos: torch.Tensor, spec) -> torch.Tensor:
+        """The call's queries without RoPE [B, Hq, q, D] (a decode row: the step's angles, shared by the layers)."""
+        if call.query.shape[2] != 1:
+            return unrotate(call.query, q_pos, spec)
+        c, s = self._turns.unrotate(q_pos, spec)
+        return rotate_heads(call.query, c, -s, spec, 1.0 / spec.attention_scaling)
 
 
 class _QueryTurns:
     """The angles of one decode step's query position, made once and shared by the layers (every layer of a step
     reads the same position; the check is against a copy, so the next step's position is seen): (cos, sin) of the
-    position to unrotate the query, and of position / r_h per ratio table to rotate it back at Ms-PoE's scales."""
+    position to unrotate the query, and per ratio table of the turn from the model's rotation to position / r_h."""
 
     def __init__(self) -> None:
         self.last: torch.Tensor | None = None
@@ -137,23 +141,23 @@ class _QueryTurns:
             memo[key] = (c[:, None], s[:, None])
         return memo[key]
 
-    def scaled(self, q_pos: torch.Tensor, r: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
-        """scaled_cos_sin(q_pos, r) [B, Hq, S, R/2]."""
+    def turned(self, q_pos: torch.Tensor, r: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """turned_cos_sin(q_pos, r) [B, Hq, S, R/2]: the model's query to Ms-PoE's scales in one rotation."""
         memo = self._at(q_pos)
-        key = ("scaled", spec.identity, tuple(r.tolist()))
+        key = ("turned", spec.identity, tuple(r.tolist()))
         if key not in memo:
-            memo[key] = scaled_cos_sin(q_pos, r, spec)
+            memo[key] = turned_cos_sin(q_pos, r, spec)
         return memo[key]
 
 
-def _decode_fused(cache: PositionedKV, call: AttentionCall, q_raw: torch.Tensor,
-                  turns: tuple[torch.Tensor, torch.Tensor], r: torch.Tensor, allowed: torch.Tensor
-                  ) -> torch.Tensor | None:
+def _decode_fused(cache: PositionedKV, call: AttentionCall, turns: tuple[torch.Tensor, torch.Tensor],
+                  r: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
     """One query row per batch row over storage="raw" by the position-map decode kernel: [B, Hq, 1, D] float32,
-    or None where it cannot serve (then scaled_attend computes the same numbers). turns: scaled_cos_sin of the
-    query position at the ratios r; allowed [B, 1, 1, N] (no mask when every key is visible)."""
+    or None where it cannot serve (then scaled_attend computes the same numbers). turns: turned_cos_sin of the
+    query position at the ratios r (the model's query turned to the scaled positions in one rotation); allowed
+    [B, 1, 1, N] (no mask when every key is visible)."""
     spec = cache.layers[call.layer].spec
-    q = rotate_heads(q_raw, *turns, spec, spec.attention_scaling)                                   # [B, Hq, 1, D]
+    q = rotate_heads(call.query, *turns, spec, 1.0)                                                 # [B, Hq, 1, D]
     mask = None
     if not bool(allowed.all()):
         mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))

@@ -28,10 +28,10 @@ from ._checks import fail
 from .rope import RopeSpec, _pairs, cos_sin
 from .window import WindowConfig
 
-__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "factored_tables", "rotate_heads", "scaled_attend", "position_awareness",
-           "assign_ratios", "segment_importance", "pine_shifts", "offset_attend", "shifted_window", "pair_importance", "pair_shifts",
-           "window_decode_map", "MS_POE_MIN",
-           "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
+__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "turned_cos_sin", "factored_tables", "rotate_heads",
+           "scaled_attend", "position_awareness", "assign_ratios", "segment_importance", "pine_shifts",
+           "offset_attend", "shifted_window", "softmax_mass", "pair_importance", "pair_shifts", "window_decode_map",
+           "MS_POE_MIN", "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
 
 MS_POE_MIN, MS_POE_MAX, MS_POE_FIRST_LAYER = 1.2, 1.8, 2       # the released scripts' values
 
@@ -96,6 +96,19 @@ def scaled_cos_sin(pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec) -> t
     inv = spec.inv_freq.to(device=pos.device, dtype=torch.float64)
     scaled = pos.to(torch.float64)[:, None, :] / ratios.to(device=pos.device, dtype=torch.float64)[None, :, None]
     ang = scaled[..., None] * inv
+    return ang.cos().float(), ang.sin().float()
+
+
+def turned_cos_sin(pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, Hq, S, R/2] float32 that turn a query the model rotated at pos (its angles pos * inv_freq in
+    the spec's angle dtype, as transformers computes them) to pos / r_h in one rotation (scale 1: the attention
+    scaling stays as the model applied it): the angles (pos / r_h) * inv_freq minus the model's, in float64. One
+    rotation where unrotating and rotating again at the scaled positions (scaled_cos_sin) took two. pos [B, S]
+    int64, ratios [Hq]."""
+    inv = spec.inv_freq.to(device=pos.device, dtype=torch.float64)
+    scaled = pos.to(torch.float64)[:, None, :] / ratios.to(device=pos.device, dtype=torch.float64)[None, :, None]
+    model = (pos.to(spec.angle_dtype)[..., None] * spec.inv_freq.to(device=pos.device, dtype=spec.angle_dtype))
+    ang = scaled[..., None] * inv - model.to(torch.float64)[:, None]
     return ang.cos().float(), ang.sin().float()
 
 

@@ -157,3 +157,28 @@ def test_ms_poe_reads_the_raw_keys_of_every_storage(storage):
         runs[st] = extend(model, cache, IDS, attention=MsPoEBackend(scales))[0]
     tol = 1e-5 if storage == "raw" else 0.1                         # int8 keys and values: an approximation
     assert (runs["rotated"] - runs[storage]).abs().max() < tol
+
+
+@pytest.mark.parametrize("layout,angle", [(RopeLayout.HALF, torch.float32), (RopeLayout.INTERLEAVED, torch.float64)])
+def test_one_turn_takes_the_models_query_to_the_scaled_positions(layout, angle):
+    """kvpos.posmap.turned_cos_sin: the query as the model rotated it (angles in the spec's dtype, times the
+    attention scaling), turned once, equals the raw query rotated at p / r_h by the float64 reference (partial
+    rotary, attention scaling 1.3, positions to 6000)."""
+    from kvpos.posmap import rotate_heads, turned_cos_sin
+    from kvpos.reference import rotation_matrix_ref
+    from kvpos.rope import rotate
+
+    g = torch.Generator().manual_seed(5)
+    inv = 1.0 / (10000 ** (torch.arange(0, 12, 2, dtype=torch.float32) / 12))
+    spec = RopeSpec(inv, 1.3, 12, 16, layout, angle_dtype=angle)
+    Hq, S = 4, 3
+    q0 = torch.randn(2, Hq, S, 16, generator=g)
+    pos = torch.randint(0, 6000, (2, S), generator=g)
+    r = torch.tensor([1.0, 1.25, 1.6, 1.8], dtype=torch.float64)
+    q_model = rotate(q0, pos, spec)                                         # what the model's attention receives
+    got = rotate_heads(q_model, *turned_cos_sin(pos, r, spec), spec, 1.0).double()
+    for b in range(2):
+        for h in range(Hq):
+            for j in range(S):      # the reference: the explicit float64 matrix at the fractional position p / r_h
+                want = rotation_matrix_ref(int(pos[b, j]) / float(r[h]), spec) @ q0[b, h, j].double()
+                assert torch.allclose(got[b, h, j], want, atol=2e-5), (b, h, j, (got[b, h, j] - want).abs().max())

@@ -231,26 +231,33 @@ def _additive_mask(mask: torch.Tensor | None, N: int) -> torch.Tensor | None:
     return m.to(torch.float32)
 
 
+def _fused_read(read: RawHandoff, module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                kwargs: dict) -> tuple[torch.Tensor | None, str | None]:
+    """(out [B, 1, Hq, D] from the fused kernel over the cache's raw keys, None) or (None, why it cannot serve)."""
+    why = _why_not_fused(module, query, value, attention_mask, dropout, kwargs)
+    if why is not None:
+        return None, why
+    sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    cache = read.cache
+    out = cache.decode_fused(read.layer, read.state, query[:, :, 0],
+                             _additive_mask(attention_mask, cache.layers[read.layer].n), sm)
+    if out is None:
+        return None, "the kernel cannot serve these tensors (kvpos._kernels.kernel_status())"
+    cache.read_counts["fused"] += 1
+    return out.to(query.dtype)[:, None], None
+
+
 def _raw_attention(read: RawHandoff, module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
                    kwargs: dict) -> torch.Tensor | None:
     """[B, 1, Hq, D] from the fused kernel over the cache's raw keys, or None (the caller rotates into a buffer)."""
-    why = _why_not_fused(module, query, value, attention_mask, dropout, kwargs)
-    out = None
-    if why is None:
-        sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        cache = read.cache
-        out = cache.decode_fused(read.layer, read.state, query[:, :, 0],
-                                 _additive_mask(attention_mask, cache.layers[read.layer].n), sm)
-        why = None if out is not None else "the kernel cannot serve these tensors (kvpos._kernels.kernel_status())"
+    out, why = _fused_read(read, module, query, value, attention_mask, dropout, scaling, kwargs)
     if out is None and read.strict:
         read.cache.drop_tail_(read.n0)
         fail(f"PositionedCache(read='fused') layer {read.layer}", "a decode attention call the fused raw-key "
              "kernel serves", why, "use read='auto' (rotate into a buffer where the kernel cannot serve)")
-    if out is None:
-        return None
-    read.cache.read_counts["fused"] += 1
-    return out.to(query.dtype)[:, None]
+    return out
 
 
 def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -268,7 +275,7 @@ def _kvpos_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     bound = b is not None and id(module) in b.modules
     if read is not None and read.check_call(module, key, value):
         if bound:                                           # the backend rotates only if it reads call.key
-            return b.backend(_call(module, query, None, None, attention_mask, dropout, scaling, kwargs, read), b), None
+            return b.backend(_call(module, query, None, value, attention_mask, dropout, scaling, kwargs, read), b), None
         out = _raw_attention(read, module, query, value, attention_mask, dropout, scaling, kwargs)
         if out is not None:
             return out, None
@@ -289,14 +296,23 @@ def _rotated(read: RawHandoff) -> tuple[torch.Tensor, torch.Tensor]:
 def _call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
           attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, kwargs: dict,
           read: RawHandoff | None = None) -> AttentionCall:
-    """The AttentionCall of a bound module; key / value None: a raw hand-off `read`, rotated on first access."""
+    """The AttentionCall of a bound module; with a raw hand-off `read` (key None, value the values it handed): the
+    keys rotated on first access, and `plain()` read by the fused kernel where it serves (as an unbound call)."""
     sm = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    call = AttentionCall(module.layer_idx, query, key, value, attention_mask, sm, lambda: None,
-                         key.shape[2] if key is not None else read.n,
+    call = AttentionCall(module.layer_idx, query, key, None if read is not None else value, attention_mask, sm,
+                         lambda: None, key.shape[2] if key is not None else read.n,
                          None if read is None else (lambda: _rotated(read)),
                          None if read is None else read.cache, _window(module, kwargs))
-    call._plain = lambda: sdpa_attention_forward(module, query, call.key, call.value, attention_mask,
-                                                 dropout=dropout, scaling=scaling, **kwargs)[0]
+
+    def plain() -> torch.Tensor:
+        if read is not None:
+            out = _fused_read(read, module, query, value, attention_mask, dropout, scaling, kwargs)[0]
+            if out is not None:
+                return out
+        return sdpa_attention_forward(module, query, call.key, call.value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)[0]
+
+    call._plain = plain
     return call
 
 
