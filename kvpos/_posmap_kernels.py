@@ -3,6 +3,8 @@ per-key query variants (Ms-PoE, PINE's offsets), PINE's importance without RoPE,
 in one call. The C lives in kvpos/csrc/decode.c; the library is built and loaded by kvpos._kernels."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ._checks import fail
@@ -23,6 +25,19 @@ def _head_mask(mask: torch.Tensor | None, B: int, Hq: int, N: int, what: str) ->
     if m.shape[0] not in (1, B) or m.shape[1] not in (1, Hq) or m.shape[2] != N:
         fail(f"{what} mask", want, list(mask.shape))
     return m
+
+
+def _split_k(B: int, Hq: int, Hkv: int, N: int, width: int, out_width: int
+             ) -> tuple[ctypes.CDLL, int, torch.Tensor, torch.Tensor] | None:
+    """(library, G = Hq / Hkv, work float32 [B * Hkv * chunks * G * width], out float32 [B, Hq, out_width]) for a
+    split-K kernel call over N slots in chunks of 128 (each chunk's partials `width` floats per query head), or None
+    where the C library is not built."""
+    lib = _get()
+    if lib is None:
+        return None
+    G = Hq // Hkv
+    work = torch.empty(B * Hkv * ((N + 127) // 128) * G * width, dtype=torch.float32)
+    return lib, G, work, torch.empty(B, Hq, out_width, dtype=torch.float32)
 
 
 def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -75,12 +90,10 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     m = _head_mask(mask, B, Hq, N, "decode_heads_kernel")
     if Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0 or q.shape[0] != B or q.shape[3] != D:
         return None
-    lib = _get()
-    if lib is None:
+    got = _split_k(B, Hq, Hkv, N, D + 2, D)
+    if got is None:
         return None
-    G = Hq // Hkv
-    work = torch.empty(B * Hkv * ((N + 127) // 128) * G * (D + 2), dtype=torch.float32)
-    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    lib, G, work, out = got
     qc = q.to(torch.float32).contiguous()
     cs, sn = cos.contiguous(), sin.contiguous()
     fn = lib.kvpos_decode_heads_f32 if k.dtype == torch.float32 else lib.kvpos_decode_heads_bf16
@@ -123,12 +136,10 @@ def segment_mass_kernel(q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, n: 
     m = _head_mask(mask, B, Hq, N, "segment_mass_kernel")
     if Hq % Hkv or Hq // Hkv > 16 or N == 0 or q.shape[0] != B or q.shape[2] != D:
         return None
-    lib = _get()
-    if lib is None:
+    got = _split_k(B, Hq, Hkv, N, n + 1, n)
+    if got is None:
         return None
-    G = Hq // Hkv
-    work = torch.empty(B * Hkv * ((N + 127) // 128) * G * (n + 1), dtype=torch.float32)
-    out = torch.empty(B, Hq, n, dtype=torch.float32)
+    lib, G, work, out = got
     qc = q.to(torch.float32).contiguous()
     fn = lib.kvpos_importance_f32 if k.dtype == torch.float32 else lib.kvpos_importance_bf16
     bad = fn(qc.data_ptr(), k.data_ptr(), dc.data_ptr(), 0 if m is None else m.data_ptr(), out.data_ptr(),
