@@ -265,6 +265,8 @@ def qa_arguments(ap) -> None:
     g.add_argument("--borrow", type=int, default=0,
                    help="HotpotQA: distractors borrowed from other questions, besides its own 8 (longer contexts)")
     g.add_argument("--instruction", default=rag_qa.INSTRUCTION, help="text before 'Question: ' in the last turn")
+    g.add_argument("--lead-source", choices=["calibration", "essays"], default="calibration",
+                   help="where lead<j> methods take their lead passages (bench/rag_qa.py lead_passages)")
     g.add_argument("--records", default=None, help="JSONL of per-(item, method) records; resumes from it")
     g.add_argument("--shard", default="0/1", help="i/n: run items i, i+n, i+2n, ...")
     g.add_argument("--prefix-every", type=int, default=5, help="measure exact prefix reuse on every k-th item")
@@ -286,8 +288,11 @@ def run_qa(a, model, tok) -> None:
     items = rag_qa.gold_moved(items, a.gold_at) if a.gold_at else items
     items = (rag_qa.reordered(items, a.orders, a.seed) if a.orders else items)[shard::n_shards]
     builder = ChatPromptBuilder(tok, question_prefix=rag_qa.question_prefix(a.instruction), turns=a.format == "turns")
-    rag = RagPipeline(model, tok, builder=builder)
+    lead = rag_qa.lead_passages(a.data, max(m.lead for m in methods), a.lead_source, tok)
+    rag = RagPipeline(model, tok, builder=builder, lead=lead)
     meta = {"data": a.data, "format": a.format, "split": a.split, "model": getattr(model, "name_or_path", "?")}
+    if lead:
+        meta["lead_source"] = a.lead_source
     rows = rag_qa.run_items(rag, methods, items, a.max_new, a.records, a.prefix_every, meta)
     if a.json:
         show = rag_qa.report_by_position if a.gold_at else rag_qa.report_orders if a.orders else rag_qa.report

@@ -23,7 +23,8 @@ Measures per method (over the items; paired with full prefill on the same items)
 Method names: a base (full, prefix, sequential, parallel) and repairs joined by "+": link<k> (EPIC link tokens),
 sel<pct> (CacheBlend selective recompute), attn<pct> (query-aware re-encode), apeT<t> (APE temperature),
 tail<k> (the last k tokens of every chunk in context), last<m> (the m chunks nearest the question in context),
-probe<m> (the m chunks the question reads most, in context), and read-time position policies (docs/positions.md):
+probe<m> (the m chunks the question reads most, in context), lead<j> (chunks stored encoded after j lead passages,
+`lead_passages`: no cost per request), and read-time position policies (docs/positions.md):
 mspoe (Ms-PoE; "full+mspoe" is its full form) and pine ("full+pine": PINE's full form, the passages prefilled
 together under its document phase; with chunk reuse PINE-lite). E.g. "sequential+probe1+tail8".
 """
@@ -42,11 +43,11 @@ from tqdm import tqdm
 
 from _common import machine, markdown_table, write_outputs
 from kvpos.ape import ApeParams
-from kvpos.data import answer_correct, hotpotqa_items, normalize_answer, squad_items
+from kvpos.data import answer_correct, hotpotqa_items, normalize_answer, passages, squad_items
 from kvpos.integrations.rag import RagMethod, RagPipeline
 
 QA_SETS = ("squad", "squad-hard", "hotpotqa")
-_KNOB = re.compile(r"^(link|sel|attn|apeT|tail|last|probe)(\d+(?:\.\d+)?)$")
+_KNOB = re.compile(r"^(link|sel|attn|apeT|tail|last|probe|lead)(\d+(?:\.\d+)?)$")
 
 
 def method_from_name(name: str) -> RagMethod:
@@ -62,14 +63,15 @@ def method_from_name(name: str) -> RagMethod:
         m = _KNOB.match(k)
         if m is None:
             raise ValueError(f"method {name!r}: expected repairs link<k> sel<pct> attn<pct> apeT<t> tail<k> last<m> "
-                             f"probe<m> or a position policy mspoe / pine, got {k!r}")
+                             f"probe<m> lead<j> or a position policy mspoe / pine, got {k!r}")
         what, v = m.group(1), m.group(2)
         if what == "apeT":
             kw["ape"] = ApeParams(float(v), 1.0)
         elif what in ("sel", "attn"):
             kw["recompute_ratio" if what == "sel" else "attn_ratio"] = float(v) / 100
         else:
-            kw[{"link": "link_k", "tail": "tail_k", "last": "last_chunks", "probe": "probe_chunks"}[what]] = int(v)
+            kw[{"link": "link_k", "tail": "tail_k", "last": "last_chunks", "probe": "probe_chunks",
+                "lead": "lead"}[what]] = int(v)
     return RagMethod(name, layout=base, **kw)
 
 
@@ -96,6 +98,30 @@ def load_items(data: str, n: int, split: str, seed: int, distractors: int, borro
         raise ValueError(f"--n: expected at most {len(pool)} {split} items of {data}, got {n}")
     keep = random.Random(seed).sample(range(len(pool)), n)
     return [pool[i] for i in keep]
+
+
+def lead_passages(data: str, n: int, source: str, tok: Any = None) -> list[str]:
+    """`n` lead passages (RagPipeline(lead=...)), fixed in code: source "calibration" takes the paragraphs of the
+    data set's LAST calibration items, in order (a run samples its items from the whole split, so a lead passage
+    is rarely one of its passages; SQuAD shares paragraphs between questions, so a held-out request may still hold
+    one), "essays" Paul Graham essay passages of ~150 tokens (another corpus; needs `tok`)."""
+    if n == 0:
+        return []
+    if source == "essays":
+        if tok is None:
+            raise ValueError("lead_passages: source 'essays' needs the tokenizer, got none")
+        it = passages(tok, 150, seed=1)
+        return [next(it) for _ in range(n)]
+    if source != "calibration":
+        raise ValueError(f"--lead-source: expected calibration or essays, got {source!r}")
+    pool = hotpotqa_items(None, split="calibration") if data == "hotpotqa" else \
+        squad_items(None, k=9, split="calibration", seed=0)
+    out: list[str] = []
+    for x in reversed(pool):
+        out += [p for p in x["paragraphs"] if p not in out]
+        if len(out) >= n:
+            return out[:n]
+    raise ValueError(f"lead_passages: expected {n} calibration paragraphs of {data}, got {len(out)}")
 
 
 def gold_moved(items: Sequence[dict], positions: Sequence[int]) -> list[dict]:
@@ -168,7 +194,7 @@ def run_items(rag: RagPipeline, methods: Sequence[RagMethod], items: Sequence[di
     todo = [(i, x) for i, x in enumerate(items) if x["id"] not in done]
     for idx, item in tqdm(todo, desc=f"rag_qa {meta['data']} {meta['format']}", file=sys.stdout, unit="q"):
         parts = rag.builder.parts(item["paragraphs"], item["question"])
-        rag.composer.precompute(parts.chunks, progress=False)        # TTFT is measured with every chunk stored
+        rag.precompute(parts.chunks, sorted({m.lead for m in methods if m.reuses}))   # TTFT: every chunk stored
         gold = torch.tensor(tok(item["answers"][0], add_special_tokens=False).input_ids, dtype=torch.long)
         n_prompt = parts.full_ids().shape[1]
         full_lp, full_text, rows = None, None, []

@@ -112,10 +112,10 @@ def use_ape(model: torch.nn.Module, cache: PositionedKV, temperature: float | to
 @torch.no_grad()
 def encode_chunks_batched(model: torch.nn.Module, anchor: Anchor, chunks: list[torch.Tensor],
                           fingerprint: Fingerprint) -> list[ChunkKV]:
-    """Encode all `chunks` after `anchor` in ONE forward (block-diagonal mask, every chunk at positions A..);
-    equals encoding them one by one (`encode_chunk`)."""
+    """Encode all `chunks` after `anchor` and its lead in ONE forward (block-diagonal mask, every chunk at positions
+    A+L..); equals encoding them one by one (`encode_chunk`)."""
     ids = [torch.as_tensor(c, dtype=torch.long).flatten() for c in chunks]
-    A = anchor.length
+    A = anchor.chunk_start
     lengths = [int(c.numel()) for c in ids]
     window = getattr(model.config, "sliding_window", None)
     if window and "sliding_attention" in (getattr(model.config, "layer_types", None) or []) \
@@ -123,7 +123,7 @@ def encode_chunks_batched(model: torch.nn.Module, anchor: Anchor, chunks: list[t
         fail("encode_chunks_batched", f"anchor + longest chunk <= sliding_window={window}",
              A + max(lengths), "one 4-D mask serves every layer and cannot express the sliding window; "
              "encode the chunks one by one (encode_chunk)")
-    cache = anchor.cache.copy()
+    cache = anchor.context.copy()
     pos = torch.cat([torch.arange(A, A + L) for L in lengths])
     allowed = block_diagonal_allowed(lengths, A)[None, None]
     extend(model, cache, torch.cat(ids)[None], positions=pos, attention_mask=allowed)

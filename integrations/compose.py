@@ -40,31 +40,66 @@ def _ids1d(what: str, ids: Any) -> torch.Tensor:
 
 @dataclass
 class Anchor:
-    """The shared prefix: ids [A] and its cache at positions 0..A-1 (segment SEG_ANCHOR)."""
+    """The shared prefix: ids [A] and its cache at positions 0..A-1 (segment SEG_ANCHOR), and an optional lead.
+
+    lead: ids [L] that every chunk is ENCODED after (at positions A..A+L-1) and that no request holds: a chunk then
+    carries the state of a token that had other passages before it, as every chunk but the first has in a request.
+    Chunks start at `chunk_start` = A + L; `context` is the cache they are encoded on (anchor + lead). Empty lead
+    (L = 0): chunks are encoded right after the anchor.
+
+        request:  | anchor 0..A-1 | chunk_1 | chunk_2 | ... | question |
+        encoding: | anchor 0..A-1 | lead A..A+L-1 | chunk_i A+L.. |          (lead slots dropped from the chunk)
+    """
 
     ids: torch.Tensor
     cache: PositionedCache
+    lead: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    context: PositionedCache | None = None
+
+    def __post_init__(self) -> None:
+        if self.context is None:
+            if self.lead.numel():
+                fail("Anchor context", "the cache of anchor + lead when a lead is given", None,
+                     "build it with Anchor.encode(model, ids, lead)")
+            self.context = self.cache
 
     @property
     def length(self) -> int:
         return int(self.ids.numel())
 
+    @property
+    def chunk_start(self) -> int:
+        """A + L: the position a chunk's first token is encoded at."""
+        return self.length + int(self.lead.numel())
+
+    @property
+    def context_ids(self) -> torch.Tensor:
+        """[A + L] the ids every chunk is encoded after (what the store's fingerprint names)."""
+        return torch.cat([self.ids, self.lead])
+
     @classmethod
     @torch.no_grad()
-    def encode(cls, model: torch.nn.Module, ids: Any) -> "Anchor":
+    def encode(cls, model: torch.nn.Module, ids: Any, lead: Any = None) -> "Anchor":
         ids = _ids1d("anchor ids", ids)
         cache = PositionedCache.from_model(model)
         extend(model, cache, ids[None], segment=SEG_ANCHOR)
-        return cls(ids, cache)
+        if lead is None or as_token_ids("anchor lead", lead).numel() == 0:
+            return cls(ids, cache)
+        lead = as_token_ids("anchor lead", lead)
+        context = cache.copy(headroom=lead.numel())
+        extend(model, context, lead[None], segment=SEG_ANCHOR)
+        return cls(ids, cache, lead, context)
 
 
 @torch.no_grad()
 def encode_chunk(model: torch.nn.Module, anchor: Anchor, ids: Any, fingerprint: Any) -> ChunkKV:
-    """Encode one chunk after the anchor (positions A..A+S-1) and return its raw KV (the anchor's slots excluded)."""
+    """Encode one chunk after the anchor and its lead (positions A+L..A+L+S-1) and return its raw KV (the anchor's and
+    lead's slots excluded)."""
     ids = _ids1d("chunk ids", ids)
-    cache = anchor.cache.copy(headroom=ids.numel())
+    cache = anchor.context.copy(headroom=ids.numel())
     extend(model, cache, ids[None], last_logits=True)
-    return ChunkKV.from_raw_kv(ids, cache.raw_kv(anchor.length, cache.num_slots), anchor.length, fingerprint)
+    return ChunkKV.from_raw_kv(ids, cache.raw_kv(anchor.chunk_start, cache.num_slots), anchor.chunk_start,
+                               fingerprint)
 
 
 class ChunkComposer:
@@ -73,14 +108,19 @@ class ChunkComposer:
         composer = ChunkComposer(model, anchor_ids)               # memory store by default
         composer.precompute([ids1, ids2, ...])                    # progress bar
         cache, info = composer.compose([ids2, ids1], layout="sequential", link_k=8)
+
+    lead_ids: token ids every chunk is encoded after and no request holds (see Anchor; measured in
+    docs/evaluation.md); the store's fingerprint names anchor + lead, so chunks of another lead are never served.
+    `with_lead(ids)` gives a composer over the same model and store backend with another lead.
     """
 
     def __init__(self, model: torch.nn.Module, anchor_ids: Any, store: ChunkStore | None = None,
-                 backend: Any = None, namespace: str = "default", **store_kw: Any) -> None:
+                 backend: Any = None, namespace: str = "default", lead_ids: Any = None,
+                 weights: WeightsDigest | None = None, **store_kw: Any) -> None:
         self.model = model
-        self.weights = WeightsDigest(model)
-        self.anchor = Anchor.encode(model, anchor_ids)
-        self.fingerprint = model_fingerprint(model, self.anchor.ids, self.anchor.cache.specs, self.weights)
+        self.weights = WeightsDigest(model) if weights is None else weights
+        self.anchor = Anchor.encode(model, anchor_ids, lead_ids)
+        self.fingerprint = model_fingerprint(model, self.anchor.context_ids, self.anchor.cache.specs, self.weights)
         if store is None:
             store = ChunkStore(MemoryBackend() if backend is None else backend, self.fingerprint,
                                namespace=namespace, **store_kw)
@@ -96,9 +136,19 @@ class ChunkComposer:
         """After any weight changed: re-encode the anchor and serve under the new fingerprint (old entries are then
         refused as mismatches, never served)."""
         if self.weights.changed():
-            self.anchor = Anchor.encode(self.model, self.anchor.ids)
-            self.fingerprint = model_fingerprint(self.model, self.anchor.ids, self.anchor.cache.specs, self.weights)
+            self.anchor = Anchor.encode(self.model, self.anchor.ids, self.anchor.lead)
+            self.fingerprint = model_fingerprint(self.model, self.anchor.context_ids, self.anchor.cache.specs,
+                                                 self.weights)
             self.store = self.store.with_fingerprint(self.fingerprint)
+
+    def with_lead(self, lead_ids: Any) -> "ChunkComposer":
+        """A composer over the same model, weights digest and store backend (namespace, settings and stats shared)
+        whose chunks are encoded after the anchor + `lead_ids` [L] (empty: right after the anchor)."""
+        self._current()
+        other = ChunkComposer(self.model, self.anchor.ids, backend=self.store.backend, lead_ids=lead_ids,
+                              weights=self.weights)
+        other.store = self.store.with_fingerprint(other.fingerprint)
+        return other
 
     def get_or_compute(self, ids: Any) -> tuple[ChunkKV, bool]:
         """(chunk, hit): from the store, or computed now and stored."""
@@ -163,8 +213,9 @@ def _check_chunks(anchor: Anchor, chunks: Sequence[ChunkKV]) -> None:
     for i, c in enumerate(chunks):
         if not isinstance(c, ChunkKV):
             fail(f"compose chunks[{i}]", "a ChunkKV", type(c).__name__, exc=TypeError)
-        if c.start != anchor.length:
-            fail(f"compose chunks[{i}]", f"a chunk encoded after this anchor (start {anchor.length})", c.start)
+        if c.start != anchor.chunk_start:
+            fail(f"compose chunks[{i}]", f"a chunk encoded after this anchor and lead (start {anchor.chunk_start})",
+                 c.start)
         if fp is not None and c.fingerprint != fp:
             fail(f"compose chunks[{i}]", f"fingerprint [{fp.short()}] like chunks[0]", f"[{c.fingerprint.short()}]")
         fp = c.fingerprint

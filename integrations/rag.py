@@ -59,6 +59,9 @@ class RagMethod:
     read-time Ms-PoE), "pine_lite" (chunk reuse only: the question and answer read the chunks at importance-sorted
     positions, order-invariant) or "pine" (layout "full" only: PINE's full form, the passages prefilled together
     under its document phase, then the question and answer as in PINE-lite; integrations.pine.pine_prefill).
+    lead: chunks encoded after the first `lead` lead passages of the pipeline (RagPipeline(lead=...)): every chunk
+    has seen a passage before it when it is stored, as every chunk but the first has in the request (no cost per
+    request; measured in docs/evaluation.md). 0: chunks encoded right after the anchor.
     storage: the request cache's PositionedCache storage ("rotated", "raw" or "int8": keys and values int8 in the
     cache; with "full" it holds the prompt and the question runs on top of it); "int8" refuses repairs and APE (they
     rewrite or re-read slots the quantized storage writes once)."""
@@ -74,11 +77,12 @@ class RagMethod:
     last_chunks: int = 0
     probe_chunks: int = 0
     position: str | None = None
+    lead: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in ("full", "prefix", *LAYOUTS):
             fail(f"RagMethod {self.name} layout", f"'full', 'prefix' or one of {LAYOUTS}", repr(self.layout))
-        for knob in ("link_k", "tail_k", "last_chunks", "probe_chunks"):
+        for knob in ("link_k", "tail_k", "last_chunks", "probe_chunks", "lead"):
             v = getattr(self, knob)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 fail(f"RagMethod {self.name} {knob}", "an int >= 0", v)
@@ -87,8 +91,8 @@ class RagMethod:
         object.__setattr__(self, "attn_ratio", check_fraction(f"RagMethod {self.name} attn_ratio", self.attn_ratio))
         if self.ape is not None and not isinstance(self.ape, ApeParams):
             fail(f"RagMethod {self.name} ape", "None or an ApeParams", type(self.ape).__name__, exc=TypeError)
-        if self.layout in ("full", "prefix") and (self.repairs or self.ape is not None):
-            fail(f"RagMethod {self.name}", f"no repairs or APE with layout={self.layout!r} (it is exact)", self)
+        if self.layout in ("full", "prefix") and (self.repairs or self.ape is not None or self.lead):
+            fail(f"RagMethod {self.name}", f"no repairs, APE or lead with layout={self.layout!r} (it is exact)", self)
         if self.position not in (None, *POSITIONS):
             fail(f"RagMethod {self.name} position", f"None or one of {POSITIONS}", repr(self.position))
         if self.position is not None and (self.ape is not None or self.layout == "prefix"
@@ -161,25 +165,52 @@ class RagPipeline:
 
     `answer_parts(parts, method)` and `score(parts, method, ids)` are the one path every answer takes (the
     benchmarks call them too).
+
+    lead: passages (strings; e.g. a few typical passages of the corpus, never the request's) that every chunk is
+    encoded after and no request holds (RagMethod.lead; the pipeline's own method uses all of them). The store then
+    holds chunks under the fingerprint of anchor + lead. `composer` serves the pipeline's own method;
+    `composer_for(j)` the chunks encoded after the first j lead passages.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, system_prompt: str | None = None,
                  layout: str = "sequential", link_k: int = 0, recompute_ratio: float = 0.0, backend: Any = None,
                  store: Any = None, namespace: str = "default", builder: ChatPromptBuilder | None = None,
-                 **store_kw: Any) -> None:
+                 lead: Sequence[str] = (), **store_kw: Any) -> None:
         self.model, self.tok = model, tokenizer
         self.builder = builder if builder is not None else ChatPromptBuilder(tokenizer, system_prompt)
-        self.composer = ChunkComposer(model, self.builder.anchor_ids, store=store, backend=backend,
-                                      namespace=namespace, **store_kw)
-        self.method = RagMethod("default", layout, link_k if layout == "sequential" else 0, recompute_ratio)
+        if isinstance(lead, str):
+            fail("RagPipeline lead", "a sequence of passage strings", "a str", exc=TypeError)
+        self.lead_ids = [self.builder.chunk_ids(p) for p in lead]
+        base = ChunkComposer(model, self.builder.anchor_ids, store=store, backend=backend, namespace=namespace,
+                             **store_kw)
+        self._composers = {0: base}
+        self.method = RagMethod("default", layout, link_k if layout == "sequential" else 0, recompute_ratio,
+                                lead=len(self.lead_ids) if layout in LAYOUTS else 0)
+        self.composer = self.composer_for(self.method.lead)
         self._prefix: tuple[torch.Tensor, PositionedCache] | None = None   # the last prefix request: ids, prompt KV
+
+    def composer_for(self, lead: int) -> ChunkComposer:
+        """The composer of chunks encoded after the first `lead` lead passages (built on first use, same store
+        backend)."""
+        if isinstance(lead, bool) or not isinstance(lead, int) or not 0 <= lead <= len(self.lead_ids):
+            fail("RagPipeline lead", f"an int in [0, {len(self.lead_ids)}] (the pipeline's lead passages)", lead,
+                 "give RagPipeline(lead=[...]) enough passages")
+        if lead not in self._composers:
+            self._composers[lead] = self._composers[0].with_lead(torch.cat(self.lead_ids[:lead]))
+        return self._composers[lead]
+
+    def precompute(self, chunks: Sequence[Any], leads: Sequence[int] = (0,), progress: bool = False) -> int:
+        """Compute and store every chunk not yet stored, for each lead count in `leads`; returns how many."""
+        return sum(self.composer_for(j).precompute(chunks, progress=progress) for j in dict.fromkeys(leads))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
 
     def _request(self, parts: PromptParts, method: RagMethod) -> tuple[Any, Any]:
-        cache, info = self.composer.compose(parts.chunks, layout=method.layout, link_k=method.link_k,
-                                            recompute_ratio=method.recompute_ratio, storage=method.storage)
+        cache, info = self.composer_for(method.lead).compose(parts.chunks, layout=method.layout,
+                                                             link_k=method.link_k,
+                                                             recompute_ratio=method.recompute_ratio,
+                                                             storage=method.storage)
         plan, ids = info.plan, torch.cat(parts.chunks)
         if method.tail_k:
             self._reencode(cache, info, ids, plan.tail_slots(method.tail_k))
@@ -306,7 +337,7 @@ class RagPipeline:
                   "tokens_reused": info.tokens_reused + parts.anchor.numel(), "layout": method.layout,
                   "link_k": method.link_k, "recompute_ratio": method.recompute_ratio, "fetch_s": info.fetch_s,
                   "compose_s": info.compose_s, **info.extra,
-                  "store": asdict(self.composer.store.stats) | {"events": []}}
+                  "store": asdict(self.composer_for(method.lead).store.stats) | {"events": []}}
         return cache, logits[0, -1], attention, report
 
     def _keep_prefix(self, parts: PromptParts, method: RagMethod, cache: PositionedCache) -> None:
@@ -372,7 +403,8 @@ class RagPipeline:
         m = self.method
         layout = overrides.pop("layout", m.layout)
         method = RagMethod("request", layout, overrides.pop("link_k", m.link_k if layout == "sequential" else 0),
-                           overrides.pop("recompute_ratio", m.recompute_ratio))
+                           overrides.pop("recompute_ratio", m.recompute_ratio),
+                           lead=m.lead if layout in LAYOUTS else 0)
         if overrides:
             fail("answer overrides", "layout / link_k / recompute_ratio", sorted(overrides), exc=TypeError)
         return self.answer_parts(parts, method, max_new_tokens)

@@ -279,9 +279,12 @@ def test_rag_qa_method_names_map_to_the_repairs_they_name():
     assert rag_qa.method_from_name("full+mspoe").position == "ms_poe"
     assert rag_qa.method_from_name("sequential+pine").position == "pine_lite"
     assert rag_qa.method_from_name("full+pine").position == "pine"          # PINE's full form
+    assert rag_qa.method_from_name("sequential+lead2+attn5") == RagMethod("sequential+lead2+attn5", lead=2,
+                                                                        attn_ratio=0.05)
     for bad, match in (("seq", "expected a base"), ("sequential+link", "expected repairs"),
                        ("sequential+zz3", "expected repairs"), ("parallel+probe1", "expected layout='sequential'"),
-                       ("prefix+pine", "expected 'pine_lite' without APE, with chunk reuse")):
+                       ("prefix+pine", "expected 'pine_lite' without APE, with chunk reuse"),
+                       ("full+lead1", "expected no repairs, APE or lead with layout='full'")):
         with pytest.raises(ValueError, match=match):
             rag_qa.method_from_name(bad)
 

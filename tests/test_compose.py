@@ -18,24 +18,27 @@ def _setup(arch="llama", n_chunks=3, seed=0):
     return model, anchor, chunks, q
 
 
-def _reference(model, anchor, chunks, q, layout):
+def _reference(model, anchor, chunks, q, layout, lead=None):
     """One forward reproducing how the composed cache was computed.
 
-    Chunk i was encoded after the anchor at positions A.. and then moved by delta_i; by RoPE relativity that equals
-    encoding it after a copy of the anchor placed at delta_i... So the reference sequence is
-    [anchor | (anchor copy_i, chunk_i) for each i | query], where chunk_i sees its copy and itself, the copies are
-    invisible to the query, and the query sees the anchor, every chunk and itself."""
-    A = anchor.numel()
+    Chunk i was encoded after the anchor (and the lead) at positions A+Ld.. and then moved by delta_i; by RoPE
+    relativity that equals encoding it after a copy of the anchor (and lead) placed at delta_i... So the reference
+    sequence is [anchor | (anchor+lead copy_i, chunk_i) for each i | query], where chunk_i sees its copy and itself,
+    the copies are invisible to the query, and the query sees the anchor, every chunk and itself. Every position is
+    offset by Ld (the lead's length; relativity again) so that none is negative."""
+    lead = anchor[:0] if lead is None else lead
+    A, off = anchor.numel(), lead.numel()
+    ctx = torch.cat([anchor, lead])
     segs, p = [], A                                # (ids, positions, kind, owner)
-    segs.append((anchor, torch.arange(A), "anchor"))
+    segs.append((anchor, torch.arange(A) + off, "anchor"))
     for c in chunks:
         L = c.numel()
         start = p if layout == "sequential" else A
-        d = start - A
-        segs.append((anchor, torch.arange(d, d + A), "copy"))
-        segs.append((c, torch.arange(start, start + L), "chunk"))
+        d = start - ctx.numel()
+        segs.append((ctx, torch.arange(d, d + ctx.numel()) + off, "copy"))
+        segs.append((c, torch.arange(start, start + L) + off, "chunk"))
         p = start + L if layout == "sequential" else max(p, A + L)
-    segs.append((q[0], torch.arange(p, p + q.shape[1]), "query"))
+    segs.append((q[0], torch.arange(p, p + q.shape[1]) + off, "query"))
     ids = torch.cat([x for x, _, _ in segs])[None]
     pos = torch.cat([x for _, x, _ in segs])[None]
     N = ids.shape[1]
@@ -74,6 +77,48 @@ def test_compose_equals_block_masked_reference(arch, layout):
     # the second request is served from the store
     _, info2 = cc.compose([chunks[1], chunks[2]], layout=layout)
     assert info2.hits == 2 and info2.misses == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3", "cohere"])
+@pytest.mark.parametrize("layout", ["sequential", "parallel"])
+def test_chunks_encoded_after_a_lead_equal_the_block_masked_reference(arch, layout):
+    """A lead: every chunk encoded after anchor + lead (the lead's slots dropped), placed as usual."""
+    over = {"sliding_window": 4096} if arch == "gemma3" else {}
+    model = tiny_model(arch, **over)[0]
+    _, anchor, chunks, q = _setup()
+    lead = torch.randint(3, 128, (6,), generator=torch.Generator().manual_seed(7))
+    cc = ChunkComposer(model, anchor, lead_ids=lead)
+    assert cc.anchor.chunk_start == 11 and torch.equal(cc.anchor.context_ids, torch.cat([anchor, lead]))
+    order = [1, 2, 0]
+    cache, _ = cc.compose([chunks[i] for i in order], layout=layout)
+    assert cache.num_slots == 5 + sum(c.numel() for c in chunks)          # no lead slot in the request
+    got = extend(model, cache, q)
+    ref = _reference(model, anchor, [chunks[i] for i in order], q, layout, lead=lead)
+    assert (got - ref[:, -4:]).abs().max() < 1e-4
+    plain = _reference(model, anchor, [chunks[i] for i in order], q, layout)
+    assert (got - plain[:, -4:]).abs().max() > 1e-3                       # the lead changed what was stored
+
+
+def test_a_lead_is_part_of_the_store_identity_and_with_lead_shares_the_backend():
+    model, anchor, chunks, q = _setup()
+    lead = torch.randint(3, 128, (6,), generator=torch.Generator().manual_seed(7))
+    base = ChunkComposer(model, anchor)
+    led = base.with_lead(lead)
+    assert led.store.backend is base.store.backend and led.fingerprint != base.fingerprint
+    assert led.fingerprint == model_fingerprint(model, torch.cat([anchor, lead]), led.anchor.cache.specs)
+    base.precompute(chunks, progress=False)
+    assert not any(led.store.contains(c) for c in chunks)                  # never served across leads
+    _, info = led.compose(chunks)
+    assert info.misses == 3
+    _, info = led.compose(chunks)
+    assert info.hits == 3
+    assert base.with_lead(lead[:0]).fingerprint == base.fingerprint       # an empty lead is no lead
+    plain = encode_chunk(model, base.anchor, chunks[0], base.fingerprint)
+    with pytest.raises(ValueError, match=r"compose chunks\[0\]: expected a chunk encoded after this anchor and lead "
+                                         r"\(start 11\), got 5"):
+        compose(model, led.anchor, [plain])
+    with pytest.raises(ValueError, match=r"Anchor context: expected the cache of anchor \+ lead"):
+        Anchor(anchor, base.anchor.cache, lead)
 
 
 def test_link_recompute_of_all_tokens_equals_full_prefill():
@@ -133,7 +178,7 @@ def test_compose_errors():
         compose(model, cc.anchor, [])
     other = Anchor.encode(model, anchor[:3])
     c = encode_chunk(model, other, chunks[0], model_fingerprint(model, anchor[:3]))
-    with pytest.raises(ValueError, match=r"compose chunks\[0\]: expected a chunk encoded after this anchor \(start 5\), got 3"):
+    with pytest.raises(ValueError, match=r"compose chunks\[0\]: expected a chunk encoded after this anchor and lead \(start 5\), got 3"):
         compose(model, cc.anchor, [c])
     with pytest.raises(ValueError, match=r"chunk ids: expected 1-D integer token ids"):
         cc.compose([torch.ones(3)])

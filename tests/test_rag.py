@@ -4,6 +4,7 @@ import torch
 
 from kvpos.integrations.rag import FULL, PREFIX, ChatPromptBuilder, PromptParts, RagMethod, RagPipeline
 from kvpos.integrations.hf.testing import tiny_model
+from kvpos.integrations.hf import extend
 from kvpos.integrations.repairs import chunks_read_most
 
 
@@ -17,6 +18,9 @@ class _Tok:
 class _Builder:
     def __init__(self, anchor):
         self.anchor_ids = anchor
+
+    def chunk_ids(self, passage):
+        return torch.tensor([int(x) for x in passage.split()], dtype=torch.long)
 
 
 def _setup(seed=0, n=5):
@@ -52,7 +56,7 @@ def test_query_aware_repair_of_every_chunk_token_equals_full_and_partial_moves_t
     assert e_half < e_seq, (float(e_half), float(e_seq))
     with pytest.raises(ValueError, match="RagMethod x attn_ratio: expected layout='sequential'"):
         RagMethod("x", layout="parallel", attn_ratio=0.1)
-    with pytest.raises(ValueError, match="RagMethod p: expected no repairs or APE with layout='prefix'"):
+    with pytest.raises(ValueError, match="RagMethod p: expected no repairs, APE or lead with layout='prefix'"):
         RagMethod("p", layout="prefix", link_k=4)
 
 
@@ -69,6 +73,33 @@ def test_reencoding_every_chunk_in_context_equals_full_prefill(knobs):
     some = {k: max(1, v // 2) if k != "tail_k" else 3 for k, v in knobs.items()}
     part = rag.score(parts, RagMethod("some", **some))
     assert 0 < (part - full).abs().max() < (seq - full).abs().max()
+
+
+def test_lead_passages_route_each_method_to_chunks_encoded_after_its_lead():
+    model, parts, _ = _setup(4)
+    lead = ["11 12 13 14 15 16", "21 22 23 24"]
+    rag = RagPipeline(model, _Tok(), builder=_Builder(parts.anchor), lead=lead)
+    assert rag.method.lead == 2 and rag.composer is rag.composer_for(2)
+    assert rag.precompute(parts.chunks, [0, 1, 2]) == 3 * len(parts.chunks)
+    assert rag.precompute(parts.chunks, [0, 1, 2]) == 0
+    one = rag.composer_for(1)
+    assert torch.equal(one.anchor.lead, torch.arange(11, 17))
+    cache, _ = one.compose(parts.chunks)
+    want = extend(model, cache, parts.question[None])
+    got = rag.score(parts, RagMethod("l1", lead=1))
+    assert torch.equal(got, want)
+    plain = rag.score(parts, RagMethod("l0"))
+    assert (got - plain).abs().max() > 1e-4
+    ans = rag.answer_parts(parts, RagMethod("l2", lead=2), 4)
+    assert ans.report["chunks_hit"] == len(parts.chunks) and ans.report["tokens_computed"] == parts.question.numel()
+    with pytest.raises(ValueError, match=r"RagPipeline lead: expected an int in \[0, 2\]"):
+        rag.score(parts, RagMethod("l3", lead=3))
+    with pytest.raises(ValueError, match="RagMethod f: expected no repairs, APE or lead with layout='full'"):
+        RagMethod("f", layout="full", lead=1)
+    with pytest.raises(ValueError, match="RagMethod n lead: expected an int >= 0"):
+        RagMethod("n", lead=-1)
+    with pytest.raises(TypeError, match="RagPipeline lead: expected a sequence of passage strings"):
+        RagPipeline(model, _Tok(), builder=_Builder(parts.anchor), lead="11 12")
 
 
 def test_probe_chunks_reencodes_the_chunks_the_question_reads_most_and_reports_them():
