@@ -299,6 +299,9 @@ def _args(argv=None) -> argparse.Namespace:
     qa.add_argument("--format", choices=["turns", "message"], default="turns")
     qa.add_argument("--instruction", default=None, help="before 'Question: ' (default: bench/rag_eval.py's)")
     qa.add_argument("--max-new", type=int, default=24)
+    qa.add_argument("--lead", type=int, default=0,
+                    help="also the method kvpos_lead: passages stored after this many lead passages "
+                         "(bench/rag_qa.py lead_passages, calibration paragraphs)")
     qa.add_argument("--prefix-every", type=int, default=5, help="prefix caching and Redis on every k-th question")
     qa.add_argument("--records", default=None, help="JSONL appended per question (a cut-off run resumes)")
     qa.add_argument("--report", nargs="+", default=None, help="only summarize these records")
@@ -366,8 +369,10 @@ def run_qa(a: argparse.Namespace, store: str) -> dict:
     meta = {"data": a.data,
             "format": a.format, "model": os.path.basename(a.model.rstrip("/")), "split": a.split,
             "engine": "vllm-kvpos-attention" if a.attention else "vllm", "run": f"{a.data}-{a.format}-{a.seed}"}
+    led = RequestBuilder(tok, turns=a.format == "turns", question_prefix=rag_qa.question_prefix(instruction),
+                         lead=rag_qa.lead_passages(a.data, a.lead, "calibration")) if a.lead else None
     return {"rows": vllm_qa.run_items(llm, rb, tok, items, a.max_new, a.records, a.prefix_every, meta,
-                                      attention=a.attention)}
+                                      attention=a.attention, lead=led)}
 
 
 def run_attention(a: argparse.Namespace, argv: list[str]) -> dict:

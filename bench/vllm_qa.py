@@ -16,6 +16,7 @@ parallel layout and APE over it. Repairs are not in the engine. Methods:
   kvpos_parallel  (--attention) the passages loaded at overlapping positions after the anchor, not visible to
                   each other, the question after the longest
   kvpos_ape       (--attention) the parallel layout with APE's temperature 0.7 and scale 1.0 over the passages
+  kvpos_lead      (--lead j) as kvpos, the passages stored after j lead passages (RequestBuilder(lead=...))
 
 Every passage is stored first (not timed). Per (item, method) two requests: the answer (greedy, --max-new tokens;
 TTFT is the engine's own first_token_latency of that request, sent alone) and the gold answer teacher forced after
@@ -106,9 +107,10 @@ LAYOUTS = {"kvpos_parallel": ("parallel", None), "kvpos_ape": ("parallel", (0.7,
 
 
 def run_items(llm, rb, tok, items: Sequence[dict], max_new: int, records: str | None, prefix_every: int,
-              meta: dict, attention: bool = False) -> list[dict]:
+              meta: dict, attention: bool = False, lead: Any = None) -> list[dict]:
     """Every method on every item not yet in `records` (lines appended per item); returns the new records. With
-    `attention` (an engine on the kvpos attention backend) also the LAYOUTS methods."""
+    `attention` (an engine on the kvpos attention backend) also the LAYOUTS methods; with `lead` (a RequestBuilder
+    with lead passages) also kvpos_lead."""
     done = set()
     if records and os.path.exists(records):
         with open(records) as f:
@@ -126,6 +128,10 @@ def run_items(llm, rb, tok, items: Sequence[dict], max_new: int, records: str | 
         for name, (layout, ape) in (LAYOUTS.items() if attention else ()):
             asked[name] = rb.request(item["paragraphs"], item["question"], save=False, layout=layout, ape=ape)
             got[name] = _method(llm, *asked[name], gold, f"{salt}-{name}", max_new)
+        if lead is not None:
+            precompute(llm, lead, item["paragraphs"], progress=False)
+            asked["kvpos_lead"] = lead.request(item["paragraphs"], item["question"], save=False)
+            got["kvpos_lead"] = _method(llm, *asked["kvpos_lead"], gold, f"{salt}-lead", max_new)
         dists = {m: _first_dist(_one(llm, _salted(pr, f"{salt}-{m}-d", p is not None),
                                      _sp(1, _params(p, True), logprobs=FULL_VOCAB, detokenize=False)))
                  for m, (pr, p) in asked.items()}

@@ -244,3 +244,33 @@ def test_a_parallel_request_carries_its_layout_and_saves_every_passage_at_the_an
     refused = replace(req, request_id="r2")
     assert plain.matched_tokens(refused, 0) == 0 and "KVPOS_VLLM_ATTENTION" in plain.plans["r2"].refused
     assert kvpos_salt(segs) != kvpos_salt(segs, "parallel")  # a layout never shares prefix-cache blocks with another
+
+
+def test_a_lead_request_loads_chunks_encoded_after_anchor_and_lead_and_saves_nothing():
+    """kv_transfer_params "lead": the passages come from the store of chunks encoded after anchor + lead (the
+    loads carry those ids to the worker), chunks stored after the anchor alone are not claimed, nothing the engine
+    computes is saved, and the salt differs from the request without a lead."""
+    backend = MemoryBackend()
+    side, store_of = _side(backend)
+    req = _request(backend, store_of, stored=[])             # chunks stored after the anchor alone: none after a lead
+    segs = req.kv_transfer_params["kvpos"]["segments"]
+    lead = [60, 61, 62, 63]
+    anchor = req.prompt_token_ids[:10]
+    for c in range(2):
+        _put(store_of, anchor + lead, req.prompt_token_ids[10 + 20 * c:30 + 20 * c], 14)
+    led = replace(req, kv_transfer_params={"kvpos": {"segments": segs, "lead": lead}},
+                  cache_salt=kvpos_salt(segs, lead=lead))
+    assert side.matched_tokens(led, 0) == 48                 # anchor + 2 passages = 50 tokens, whole blocks of 16
+    side.after_alloc(led, [0, 1, 2, 3, 4], 48)
+    meta = side.build(_output(new=[_new(led, [0, 1, 2, 3, 4], 0)], scheduled={"r1": 73}))
+    assert [(io.index, io.anchor_ids) for io in meta.loads] == [(0, []), (1, anchor + lead), (2, anchor + lead)]
+    assert meta.saves == [] and side.plans["r1"].save == []
+    assert kvpos_salt(segs, lead=lead) != kvpos_salt(segs) and kvpos_salt(segs, lead=[]) == kvpos_salt(segs)
+
+    plain, _ = _side(backend)
+    bare = replace(req, request_id="r2")
+    assert plain.matched_tokens(bare, 0) == 0               # only the 10-token anchor stored: no whole block
+    with pytest.raises(ValueError, match="kvpos lead: expected a list of token ids"):
+        parse_request({"segments": segs, "lead": [1, -2]}, len(req.prompt_token_ids), None, False, True)
+    with pytest.raises(ValueError, match="kvpos request cache_salt: expected a salt starting with"):
+        parse_request({"segments": segs, "lead": lead}, len(req.prompt_token_ids), kvpos_salt(segs), True, True)

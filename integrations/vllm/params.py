@@ -1,6 +1,11 @@
 """What a request tells the kvpos connector, validated strictly: `kv_transfer_params["kvpos"]` and the cache salt.
 
-    {"segments": [[0, A, "anchor"], [A, B, "chunk"], ...], "save": true, "memory": true, "layout": "sequential"}
+    {"segments": [[0, A, "anchor"], [A, B, "chunk"], ...], "save": true, "memory": true, "layout": "sequential",
+     "lead": [token ids]}
+
+lead (optional): the passages' KV is loaded from chunks encoded after anchor + lead (kvpos.integrations.compose
+Anchor: a lead is in no prompt; `RequestBuilder(tok, lead=...)` precomputes such chunks with the lead in the anchor
+segment). A lead request saves nothing (what vLLM computes for it was not encoded after the lead).
 
 layout "parallel" (passages at overlapping positions after the anchor, not visible to each other; kvpos.compose)
 needs the kvpos attention backend (attention.py) and is refused without it.
@@ -26,7 +31,7 @@ from kvpos._checks import fail
 __all__ = ["RequestParams", "parse_request", "kvpos_salt", "SALT_PREFIX", "LAYOUTS"]
 
 SALT_PREFIX = "kvpos:"
-_KEYS = ("segments", "save", "memory", "layout", "ape")
+_KEYS = ("segments", "save", "memory", "layout", "ape", "lead")
 LAYOUTS = ("sequential", "parallel")
 
 
@@ -40,16 +45,20 @@ class RequestParams:
     memory: bool
     layout: str = "sequential"
     ape: tuple[float, float] | None = None      # APE's (temperature, scale) over the passages (kvpos.ape)
+    lead: tuple[int, ...] = ()                  # the passages were encoded after anchor + these ids
 
 
-def kvpos_salt(segments: Any, layout: str = "sequential", ape: Any = None) -> str:
-    """The cache salt prefix of a request with these segments, layout and APE knobs: "kvpos:" + sha256 of their
-    canonical JSON (layout and APE enter only when not the defaults, so sequential salts are what they always were)."""
+def kvpos_salt(segments: Any, layout: str = "sequential", ape: Any = None, lead: Any = ()) -> str:
+    """The cache salt prefix of a request with these segments, layout, APE knobs and lead: "kvpos:" + sha256 of their
+    canonical JSON (layout, APE and lead enter only when not the defaults, so sequential salts are what they always
+    were; blocks loaded from chunks of another lead hash apart)."""
     canon = json.dumps([[int(a), int(b), str(k)] for a, b, k in segments], separators=(",", ":"))
     if layout != "sequential":
         canon += "|" + str(layout)
     if ape is not None:
         canon += "|ape:" + json.dumps([float(x) for x in ape])
+    if lead:
+        canon += "|lead:" + json.dumps([int(x) for x in lead], separators=(",", ":"))
     return SALT_PREFIX + hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
@@ -95,6 +104,16 @@ def _ape(ape: Any, raw: bool) -> tuple[float, float] | None:
     return float(ape["temperature"]), float(ape["scale"])
 
 
+def _lead(lead: Any) -> tuple[int, ...]:
+    """[id, ...] (ints >= 0) -> a tuple; absent or [] -> ()."""
+    if lead is None:
+        return ()
+    if not isinstance(lead, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                             for x in lead):
+        fail("kvpos lead", "a list of token ids (ints >= 0)", f"{type(lead).__name__} {str(lead)[:60]}")
+    return tuple(lead)
+
+
 def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bool, default_save: bool,
                   raw: bool = False) -> RequestParams:
     """Validate kv_transfer_params["kvpos"] of a request with `n_prompt` prompt tokens. `salted`: the engine runs
@@ -116,9 +135,11 @@ def parse_request(params: Any, n_prompt: int, cache_salt: str | None, salted: bo
              "start the engine with the kvpos attention backend: KVPOS_VLLM_ATTENTION=1 and "
              "engine_kwargs(..., attention=True)")
     ape = _ape(params.get("ape"), raw)
-    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True), layout, ape)
+    lead = _lead(params.get("lead"))
+    out = RequestParams(segments, _flag(params, "save", default_save), _flag(params, "memory", True), layout, ape,
+                        lead)
     if salted:
-        want = kvpos_salt(segments, layout, ape)
+        want = kvpos_salt(segments, layout, ape, lead)
         if not isinstance(cache_salt, str) or not cache_salt.startswith(want):
             fail("kvpos request cache_salt", f"a salt starting with {want!r} (RequestBuilder sets it)",
                  repr(cache_salt), "with prefix caching on, blocks filled from stored passages must not be hashed like "

@@ -27,7 +27,7 @@ __all__ = ["SegmentIO", "RowLayout", "KvposMetadataFields", "WorkerReport", "Pla
 @dataclass
 class SegmentIO:
     """One stored chunk a worker loads or saves: its tokens [start, end) of the prompt, the part [lo, hi) handled
-    in this step, its content ids and the anchor it was encoded after."""
+    in this step, its content ids and the ids it was encoded after (none for the anchor; anchor + lead)."""
 
     req_id: str
     kind: str
@@ -168,8 +168,9 @@ class SchedulerSide:
         plan.local, plan.load_end = num_computed_tokens, max(num_computed_tokens, end)
         # save the position-independent segments vLLM computes whole: the anchor and the passage right after it
         # (sequential), every passage (parallel: each is encoded after the anchor alone)
+        # (a lead request saves nothing: its passages were not computed after the lead)
         free = range(len(segs)) if plan.params.layout == "parallel" else range(min(2, len(segs)))
-        plan.save = [i for i in free if plan.params.save and segs[i][0] >= plan.load_end]
+        plan.save = [i for i in free if plan.params.save and not plan.params.lead and segs[i][0] >= plan.load_end]
         return plan.load_end - num_computed_tokens
 
     def _new_plan(self, request: Any, params: Any) -> Plan:
@@ -188,10 +189,15 @@ class SchedulerSide:
             return Plan(None, prompt, n_given, refused=str(e))
         return Plan(parsed, prompt, n_given)
 
+    @staticmethod
+    def _encoded_after(plan: Plan, kind: str) -> list[int]:
+        """The ids a stored segment of this kind was encoded after: none for the anchor, anchor + lead for a chunk."""
+        a, b, _ = plan.segments[0]
+        return [] if kind == "anchor" else plan.prompt[a:b] + list(plan.params.lead)
+
     def _stored(self, plan: Plan, seg: tuple[int, int, str]) -> bool:
         ids = plan.prompt[seg[0]:seg[1]]
-        anchor = () if seg[2] == "anchor" else tuple(plan.prompt[plan.segments[0][0]:plan.segments[0][1]])
-        store = self.store_of(anchor, plan.params.memory)
+        store = self.store_of(tuple(self._encoded_after(plan, seg[2])), plan.params.memory)
         if plan.params.memory and store.key(torch.tensor(ids)) in self.worker_memory:
             return True
         return store.contains(torch.tensor(ids))
@@ -249,9 +255,8 @@ class SchedulerSide:
         a, b, kind = plan.segments[i]
         anchor = plan.segments[0]
         position = anchor[1] if plan.params.layout == "parallel" and kind != "anchor" else a
-        return SegmentIO(req_id, kind, i, a, b, lo, hi, plan.prompt[a:b],
-                         [] if kind == "anchor" else plan.prompt[anchor[0]:anchor[1]], plan.block_ids,
-                         plan.params.memory, position)
+        return SegmentIO(req_id, kind, i, a, b, lo, hi, plan.prompt[a:b], self._encoded_after(plan, kind),
+                         plan.block_ids, plan.params.memory, position)
 
     def _add_loads(self, meta: KvposMetadataFields, req_id: str, plan: Plan) -> None:
         plan.issued = []

@@ -79,6 +79,51 @@ def test_reordered_passages_equal_kvpos_transformers_path(engine, tok):
     assert "6180" in tok.decode(got)
 
 
+def test_passages_stored_after_a_lead_equal_kvpos_transformers_path_with_that_lead(engine, tok):
+    """RequestBuilder(lead=...): passages precomputed after anchor + lead, requested in another order without the
+    lead in the prompt: the first-step log-probabilities and greedy tokens equal kvpos's transformers path with the
+    same lead (ChunkComposer(lead_ids=...)) over the loaded run; the same request without the lead loads other KV
+    (the salt keeps their prefix-cache blocks apart) and its log-probabilities differ."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpos.integrations.compose import ChunkComposer
+    from kvpos.integrations.hf import extend, generate
+
+    ps = _passages(tok, 5, seed=16)
+    ps[2] += " The access code for the south gate is 4417."
+    rb = RequestBuilder(tok, lead=_passages(tok, 2, seed=17))
+    precompute(engine, rb, ps, progress=False)
+    order = [3, 2, 0, 4, 1]
+    q = "What is the access code for the south gate?"
+    prompt, params = rb.request([ps[i] for i in order], q)
+    assert params["kvpos"]["lead"] == rb.lead_ids
+    got, lp, rep = _ask(engine, prompt, params, n=12)
+    assert rep["loaded_segments"] >= 5 and rep["loaded_tokens"] >= 512, rep
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    parts = rb.parts([ps[i] for i in order], q)
+    cache, _ = ChunkComposer(model, parts.anchor, lead_ids=torch.tensor(rb.lead_ids)).compose(parts.chunks)
+    loaded = rep["loaded_tokens"]
+    cache.crop(loaded - cache.num_slots)
+    rest = torch.tensor(prompt["prompt_token_ids"][loaded:])
+    ref = torch.log_softmax(extend(model, cache, rest[None])[0, -1].float(), -1)
+    for t, x in lp.items():
+        assert abs(float(ref[t]) - x.logprob) < 2e-3, (t, float(ref[t]), x.logprob)
+    first = int(ref.argmax())
+    more = generate(model, cache, torch.tensor([[first]]), max_new_tokens=11, do_sample=False,
+                    pad_token_id=tok.eos_token_id)
+    assert list(got) == [first] + more[0, 1:].tolist()
+
+    plain = RequestBuilder(tok)
+    precompute(engine, plain, ps, progress=False)
+    prompt2, params2 = plain.request([ps[i] for i in order], q)
+    assert prompt2["cache_salt"] != prompt["cache_salt"] and "lead" not in params2["kvpos"]
+    _, lp2, rep2 = _ask(engine, prompt2, params2, n=1)
+    assert rep2["loaded_tokens"] == loaded
+    common = [t for t in lp if t in lp2]
+    assert common and max(abs(lp2[t].logprob - lp[t].logprob) for t in common) > 1e-3
+
+
 def test_gold_answer_scored_on_loaded_passages_equals_transformers_path(engine, tok):
     """bench/vllm_qa.py scores a gold answer with prompt_logprobs on a request whose passages the connector loads
     (prompt_logprobs would make vLLM skip every load unless skip_reading_prefix_cache=False): the loads happen and
