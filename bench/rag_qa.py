@@ -348,18 +348,42 @@ def report_by_position(rows: Sequence[dict], json_path: str | None, extra: dict 
         nll = [per[p][m]["nll"] for p in per if m in per[p]]
         acc = [per[p][m]["accuracy"] for p in per if m in per[p]]
         spread[m] = {"nll_spread": max(nll) - min(nll), "accuracy_spread": max(acc) - min(acc),
-                     "mean_accuracy": statistics.fmean(acc), "mean_nll": statistics.fmean(nll)}
+                     "mean_accuracy": statistics.fmean(acc), "mean_nll": statistics.fmean(nll),
+                     **paired_by_question(rows, m)}
     payload = {**(extra or {}), "machine": machine(), "positions": list(per), "by_position": lines, "spread": spread}
     table_rows = [{"method": m, **s} for m, s in spread.items()]
     text = markdown_table(lines, ["gold_at", "method", "n", "accuracy", "nll", "d_nll", "first_agree", "speedup"],
                           {"accuracy": ".1f", "nll": ".3f", "d_nll": ".3f", "first_agree": ".1f", "speedup": ".2f"})
-    text += "\n\n" + markdown_table(table_rows, ["method", "mean_accuracy", "accuracy_spread", "mean_nll",
-                                                  "nll_spread"], {c: ".3f" for c in ("mean_accuracy", "accuracy_spread",
-                                                                                     "mean_nll", "nll_spread")})
+    for r in table_rows:
+        r["d_acc"] = f"{r['d_acc']:+.1f} [{r['d_acc_ci'][0]:+.1f}, {r['d_acc_ci'][1]:+.1f}]"
+        r["d_nll"] = f"{r['d_nll']:+.3f} [{r['d_nll_ci'][0]:+.3f}, {r['d_nll_ci'][1]:+.3f}]"
+    text += "\n\n" + markdown_table(table_rows, ["method", "questions", "mean_accuracy", "accuracy_spread", "d_acc",
+                                                  "mean_nll", "nll_spread", "d_nll"],
+                                      {c: ".3f" for c in ("mean_accuracy", "accuracy_spread", "mean_nll",
+                                                          "nll_spread")})
     write_outputs(json_path, payload, text)
     if json_path:
         _plot_positions(per, os.path.splitext(json_path)[0] + ".png")
     return payload
+
+
+def paired_by_question(rows: Sequence[dict], method: str) -> dict:
+    """`method` against full prefill over the questions both ran at every position ("<id>@<p>" records): the mean
+    over questions of (accuracy in points, gold NLL) averaged over positions, method - full, with bootstrap 95%
+    intervals (questions resampled, so a question's positions stay together)."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault(str(r["id"]), {})[r["method"]] = r
+    per_q: dict[str, list[tuple[float, float]]] = {}
+    for i, ms in by.items():
+        if method in ms and "full" in ms and ms[method].get("nll") is not None and ms["full"].get("nll") is not None:
+            d = (100 * (float(ms[method]["correct"]) - float(ms["full"]["correct"])),
+                 float(ms[method]["nll"]) - float(ms["full"]["nll"]))
+            per_q.setdefault(i.rsplit("@", 1)[0], []).append(d)
+    da = [statistics.fmean(x for x, _ in v) for v in per_q.values()]
+    dn = [statistics.fmean(y for _, y in v) for v in per_q.values()]
+    return {"questions": len(per_q), "d_acc": _mean(da), "d_acc_ci": list(_ci(da)), "d_nll": _mean(dn),
+            "d_nll_ci": list(_ci(dn))}
 
 
 def _plot_positions(per: dict[int, dict], path: str) -> None:

@@ -392,6 +392,9 @@ def test_gold_moved_puts_the_gold_paragraphs_at_each_position_and_reports_by_pos
     assert out["positions"] == [0, 4]
     assert out["spread"]["full"]["nll_spread"] == 4.0 and out["spread"]["sequential+pine"]["nll_spread"] == 0.0
     assert out["spread"]["full"]["accuracy_spread"] == 100.0 and (tmp_path / "litm.png").exists()
+    pine = out["spread"]["sequential+pine"]                # paired by question over positions: full is right at 4
+    assert pine["questions"] == 3 and pine["d_acc"] == 50.0 and pine["d_nll"] == 3.0 - 4.0
+    assert out["spread"]["full"]["d_acc"] == 0.0 and out["spread"]["full"]["d_nll_ci"] == [0.0, 0.0]
 
 
 def test_reordered_items_keep_their_gold_and_order_sensitivity_counts_unchanged_answers():
