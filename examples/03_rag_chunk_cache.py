@@ -1,8 +1,9 @@
 """Wire kvpos chunk reuse to a retriever's output: passages in, answer + per-request report out (SmolLM2, CPU).
 
 The "retriever" is a keyword-overlap ranker over real essay passages (any retriever returning strings works).
-Chunks live in a disk store (safetensors, checksummed), so a second process or run reuses them too.
-Look at: request 1 misses every chunk; request 2 (another question, overlapping passages in another order) hits
+Chunks live in a disk store (safetensors, checksummed), so a second process or run reuses them too. Every chunk is
+stored encoded after a lead passage it never sees in a request (`lead=`: closer to full prefill at no cost per
+request, docs/evaluation.md). Look at: request 1 misses every chunk; request 2 (another question, overlapping passages in another order) hits
 them, and its TTFT drops accordingly.
 """
 import re
@@ -29,7 +30,8 @@ def retrieve(query: str, k: int = 5) -> list[str]:
 
 
 store_dir = tempfile.mkdtemp(prefix="kvpos-chunks-")
-rag = RagPipeline(model, tok, backend=DiskBackend(store_dir), link_k=8)
+lead = [next(stream)]                                   # a typical passage of the corpus, in no request
+rag = RagPipeline(model, tok, backend=DiskBackend(store_dir), lead=lead)
 for q in ("What is the access code for the east gate?", "What colour is the east gate painted?"):
     ans = rag.answer(retrieve(q), q, max_new_tokens=20)
     rep = ans.report
