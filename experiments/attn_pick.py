@@ -37,25 +37,9 @@ from kvpos.integrations.rag import RagPipeline
 from kvpos.integrations.repairs import AttentionMassProbe, recompute_slots
 
 
-class HeadMass(AttentionMassProbe):
-    """Records per layer the attention probabilities of the probe rows, averaged over rows only: [Hq, n_keys]."""
-
-    def __call__(self, call, binding):
-        q, k, v = call.query, call.key, call.value
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        w = torch.matmul(q, k.transpose(2, 3)) * call.scaling
-        if call.mask is not None:
-            m = call.mask[..., -k.shape[2]:]
-            w = w + m if m.dtype != torch.bool else w.masked_fill(~m, torch.finfo(w.dtype).min)
-        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=1))
-        return torch.matmul(w, v).transpose(1, 2).contiguous()
-
-
 def head_mass(model, cache, probe_ids):
     N = cache.num_slots
-    probe = HeadMass(N)
+    probe = AttentionMassProbe(N, per_head=True)
     try:
         extend(model, cache, probe_ids.reshape(1, -1), attention=probe)
     finally:

@@ -75,12 +75,14 @@ def blend_recompute(model: torch.nn.Module, cache: PositionedKV, slots: torch.Te
 class AttentionMassProbe:
     """Attention backend for pie+attn: eager attention (the same numbers as transformers' eager implementation),
     recording per layer the attention probabilities of the query rows over the first `n_keys` slots, averaged over
-    query heads and rows (`mass`, one [n_keys] float32 tensor per layer)."""
+    query heads and rows (`mass`, one [n_keys] float32 tensor per layer; per_head=True: over rows only, [Hq,
+    n_keys])."""
 
     needs_cache = False
 
-    def __init__(self, n_keys: int) -> None:
+    def __init__(self, n_keys: int, per_head: bool = False) -> None:
         self.n_keys = n_keys
+        self.mean_dims = (1,) if per_head else (0, 1)
         self.mass: list[torch.Tensor] = []
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
@@ -92,7 +94,7 @@ class AttentionMassProbe:
             m = call.mask[..., -k.shape[2]:]
             w = w + m if m.dtype != torch.bool else w.masked_fill(~m, torch.finfo(w.dtype).min)
         w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=(0, 1)))
+        self.mass.append(w[0, :, :, :self.n_keys].float().mean(dim=self.mean_dims))
         return torch.matmul(w, v).transpose(1, 2).contiguous()
 
 
