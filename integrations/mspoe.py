@@ -45,6 +45,7 @@ class MsPoEBackend:
         self.head_index: dict[int, torch.Tensor] = {}
         self.read_counts = {"fused": 0, "torch": 0}  # which path served each scaled call (decode: the fused kernel)
         self._turns = _QueryTurns()
+        self._memo: dict[int, tuple] = {}            # layer -> (source, ratios, all ones): see _layer_ratios
 
     @classmethod
     def scored(cls, layers: int, q_heads: int, rule: str = "rank", r_min: float = MS_POE_MIN,
@@ -71,6 +72,19 @@ class MsPoEBackend:
         idx = self.head_index.get(layer)
         return None if idx is None else p["r_min"] + (p["r_max"] - p["r_min"]) * idx.double() / p["q_heads"]
 
+    def _layer_ratios(self, layer: int) -> tuple[torch.Tensor | None, bool]:
+        """(ratios(layer), whether they are all 1), kept per layer while their source (the scales table, or the
+        layer's chosen head order) is the same object: decode steps do not recompute them."""
+        src = self.scales if self.scales is not None else self.head_index.get(layer)
+        got = self._memo.get(layer)
+        if got is not None and got[0] is src:
+            return got[1], got[2]
+        r = self.ratios(layer)
+        if r is None:
+            return None, False
+        self._memo[layer] = (src, r, bool((r == 1).all()))
+        return r, self._memo[layer][2]
+
     def _choose(self, call: AttentionCall, q_raw: torch.Tensor, k_raw: torch.Tensor, allowed: torch.Tensor
                 ) -> torch.Tensor:
         p = self._scored
@@ -85,8 +99,8 @@ class MsPoEBackend:
         return self.ratios(call.layer)
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
-        r = self.ratios(call.layer)
-        if r is not None and bool((r == 1).all()):
+        r, plain = self._layer_ratios(call.layer)
+        if plain:
             return call.plain()
         cache = binding.cache_layer_keys(call)
         layer = cache.layers[call.layer]
@@ -98,14 +112,17 @@ class MsPoEBackend:
         pos = cache.table.pos[:, :N].to(call.query.device)
         q_pos = pos[:, N - Lq:]
         spec = layer.spec
-        allowed = call.allowed().expand(B, 1, Lq, N)
+        # a decode row with no mask sees every key: no [B, 1, 1, N] mask to build (the fused kernel then takes none)
+        allowed = None if Lq == 1 and r is not None and call.mask is None else call.allowed().expand(B, 1, Lq, N)
         q_raw = None
         if r is None:
             q_raw = self._unrotated(call, q_pos, spec)
             r = self._choose(call, q_raw, layer.raw_keys, allowed)
-        out = _decode_fused(cache, call, self._turns.turned(q_pos, r, spec), r, allowed) if Lq == 1 else None
+        out = (_decode_fused(cache, call, self._turns.turn_matrix(q_pos, r, spec, call.query.shape[-1]), r, allowed)
+               if Lq == 1 else None)
         self.read_counts["torch" if out is None else "fused"] += 1
         if out is None:
+            allowed = call.allowed().expand(B, 1, Lq, N) if allowed is None else allowed
             q_raw = self._unrotated(call, q_pos, spec) if q_raw is None else q_raw
             out = scaled_attend(q_raw, layer.raw_keys, layer.values, q_pos, pos, r, spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
@@ -149,17 +166,28 @@ class _QueryTurns:
             memo[key] = turned_cos_sin(q_pos, r, spec)
         return memo[key]
 
+    def turn_matrix(self, q_pos: torch.Tensor, r: torch.Tensor, spec, dim: int) -> torch.Tensor:
+        """[B, Hq, D, D] float32 M with x @ M = rotate_heads(x, *turned(q_pos, r), spec, 1.0) for one decode row x
+        [B, Hq, 1, D] (q_pos [B, 1]): the rotation applied to the identity's rows, made once per step and ratios,
+        so that each layer turns its query in one matmul."""
+        memo = self._at(q_pos)
+        key = ("matrix", spec.identity, tuple(r.tolist()), dim)
+        if key not in memo:
+            c, s = self.turned(q_pos, r, spec)                               # [B, Hq, 1, R/2]
+            eye = torch.eye(dim, dtype=torch.float32).expand(c.shape[0], c.shape[1], dim, dim)
+            memo[key] = rotate_heads(eye, c.expand(-1, -1, dim, -1), s.expand(-1, -1, dim, -1), spec, 1.0)
+        return memo[key]
 
-def _decode_fused(cache: PositionedKV, call: AttentionCall, turns: tuple[torch.Tensor, torch.Tensor],
-                  r: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
+
+def _decode_fused(cache: PositionedKV, call: AttentionCall, turn: torch.Tensor, r: torch.Tensor,
+                  allowed: torch.Tensor | None) -> torch.Tensor | None:
     """One query row per batch row over storage="raw" by the position-map decode kernel: [B, Hq, 1, D] float32,
-    or None where it cannot serve (then scaled_attend computes the same numbers). turns: turned_cos_sin of the
-    query position at the ratios r (the model's query turned to the scaled positions in one rotation); allowed
-    [B, 1, 1, N] (no mask when every key is visible)."""
-    spec = cache.layers[call.layer].spec
-    q = rotate_heads(call.query, *turns, spec, 1.0)                                                 # [B, Hq, 1, D]
+    or None where it cannot serve (then scaled_attend computes the same numbers). turn: _QueryTurns.turn_matrix of
+    the query position at the ratios r (the model's query turned to the scaled positions in one rotation); allowed
+    [B, 1, 1, N] (None or all True: no mask)."""
+    q = torch.matmul(call.query.float(), turn)                                                       # [B, Hq, 1, D]
     mask = None
-    if not bool(allowed.all()):
+    if allowed is not None and not bool(allowed.all()):
         mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
     out = cache.decode_mapped(call.layer, q, mask, call.scaling, ratios=r)
     return None if out is None else out[:, :, None]

@@ -73,6 +73,7 @@ class PositionedKV(_Reads, _ForwardWrites, _PositionOps, _StructureOps):
         self.running_forward: _Forward | None = None
         self.running_overwrite: _Overwrite | None = None
         self.last_read: tuple[int, int] | None = None     # (layer, data pointer) of the last rotate-on-read
+        self.map_tables: dict = {}          # factored position-map tables kept across forwards (_ReadState.factored)
         self.handout: _ReadState | None = None           # read state of the last write that handed out raw keys
         self._committed: tuple[int, dict] | None = None     # (n0, layer marks) of the last committed forward
         # slots [0, _shared) are shared with the snapshot of a running appending() block: an in-place write there

@@ -16,6 +16,24 @@ from .layers import SlotLayer
 from ..posmap import factored_tables, scaled_cos_sin
 
 
+TABLE_SPAN = 4096         # positions the kept factored tables grow by (rows of 64: 64 per span, a few KB)
+_KEEP_MAX = 64            # kept tables per cache (distinct ratio sets); past it the memo starts over
+
+
+def _kept_tables(keep: dict | None, key: tuple, ratios: tuple[float, ...], span: int, spec: RopeSpec
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """factored_tables of `ratios` spanning >= `span` positions, from `keep` where a long enough one is there."""
+    got = None if keep is None else keep.get(key)
+    if got is None or got[0] < span:
+        span = -(-span // TABLE_SPAN) * TABLE_SPAN
+        got = (span, factored_tables(torch.tensor(ratios, dtype=torch.float64), span, spec))
+        if keep is not None:
+            if len(keep) >= _KEEP_MAX:
+                keep.clear()
+            keep[key] = got
+    return got[1]
+
+
 @dataclass
 class _ReadState:
     """Rotate-on-read state (storage="raw") for one forward: cos/sin of the first `n` slot positions per RoPE spec
@@ -46,18 +64,29 @@ class _ReadState:
             cs = self.cs[key] = (cos * s, sin * s) if s != 1.0 else (cos, sin)
         return cs
 
-    def factored(self, spec: RopeSpec, ratios: tuple[float, ...], pos: torch.Tensor
+    def factored(self, spec: RopeSpec, ratios: tuple[float, ...], pos: torch.Tensor, keep: dict | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Factored tables [Rt, NT, R/2] of positions p / r for each distinct ratio (kvpos.posmap.factored_tables),
-        spanning the first `n` slot positions; None when one of them is negative (the factored form needs t >= 0).
-        Once per (spec, ratios) and forward, shared by its layers."""
+        spanning at least the first `n` slot positions; None when one of them is negative (the factored form needs
+        t >= 0). Once per (spec, ratios) and forward, shared by its layers; `keep` (the cache's map_tables) holds
+        them across forwards, built for a span rounded up to TABLE_SPAN positions (a longer table has the same
+        rows: the numbers do not depend on it)."""
         key = ("factored", spec.identity, ratios)
         if key not in self.cs:
             p = pos[:, : self.n]
             lo, hi = (int(p.min()), int(p.max())) if p.numel() else (0, 0)
-            self.cs[key] = None if lo < 0 else factored_tables(torch.tensor(ratios, dtype=torch.float64), hi + 1,
-                                                               spec)
+            self.cs[key] = None if lo < 0 else _kept_tables(keep, key, ratios, hi + 1, spec)
         return self.cs[key]
+
+    def head_rows(self, ratios: torch.Tensor) -> tuple[tuple[float, ...], torch.Tensor]:
+        """(the distinct ratios ascending, [Hq] int64 the row of each query head among them), once per forward."""
+        listed = tuple(ratios.double().tolist())           # a few heads: unique in Python, no torch call
+        key = ("heads", listed)
+        got = self.cs.get(key)
+        if got is None:
+            distinct = tuple(sorted(set(listed)))
+            got = self.cs[key] = (distinct, torch.tensor([distinct.index(x) for x in listed]))
+        return got
 
     def mapped_cos_sin(self, spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, T, R/2] of explicit key positions [B, T], times the attention scaling: computed again only
@@ -244,14 +273,12 @@ class _Reads:
                         else st.mapped_cos_sin(spec, positions))
             table = torch.zeros(q.shape[1], dtype=torch.long)
             return decode_heads_kernel(q, k, v, cos[None], sin[None], table, seg, mask, scale, R, inter)
-        listed = ratios.double().tolist()                      # a few heads: unique in Python, no torch call
-        key = tuple(sorted(set(listed)))
-        vals, table = torch.tensor(key, dtype=torch.float64), torch.tensor([key.index(x) for x in listed])
-        fac = st.factored(spec, key, self.table.pos)
+        key, table = st.head_rows(ratios)
+        fac = st.factored(spec, key, self.table.pos, self.map_tables)
         if fac is not None:
             return decode_heads_kernel(q, k, v, fac[0], fac[1], table, seg, mask, scale, R, inter,
                                        fpos=self.table.pos[:, : l.n])
-        cos, sin = scaled_cos_sin(self.table.pos[:, : l.n], vals, spec)         # [B, Rt, T, R/2]: full tables
+        cos, sin = scaled_cos_sin(self.table.pos[:, : l.n], torch.tensor(key, dtype=torch.float64), spec)         # [B, Rt, T, R/2]: full tables
         s = spec.attention_scaling
         return decode_heads_kernel(q, k, v, (cos * s).transpose(0, 1), (sin * s).transpose(0, 1), table, seg, mask,
                                    scale, R, inter)
