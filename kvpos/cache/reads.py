@@ -16,7 +16,7 @@ from .layers import SlotLayer
 from ..posmap import factored_tables, scaled_cos_sin
 
 
-TABLE_SPAN = 4096         # positions the kept factored tables grow by (rows of 64: 64 per span, a few KB)
+TABLE_SPAN = 4096         # positions the kept factored tables grow by (64 more rows of R/2 floats per span)
 _KEEP_MAX = 64            # kept tables per cache (distinct ratio sets); past it the memo starts over
 
 
@@ -278,7 +278,8 @@ class _Reads:
         if fac is not None:
             return decode_heads_kernel(q, k, v, fac[0], fac[1], table, seg, mask, scale, R, inter,
                                        fpos=self.table.pos[:, : l.n])
-        cos, sin = scaled_cos_sin(self.table.pos[:, : l.n], torch.tensor(key, dtype=torch.float64), spec)         # [B, Rt, T, R/2]: full tables
+        vals = torch.tensor(key, dtype=torch.float64)
+        cos, sin = scaled_cos_sin(self.table.pos[:, : l.n], vals, spec)         # [B, Rt, T, R/2]: full tables
         s = spec.attention_scaling
         return decode_heads_kernel(q, k, v, (cos * s).transpose(0, 1), (sin * s).transpose(0, 1), table, seg, mask,
                                    scale, R, inter)
