@@ -12,6 +12,7 @@ Measures per method (over the items; paired with full prefill on the same items)
   accuracy        % answers containing a gold answer (normalized as SQuAD / lost-in-the-middle do)
   acc_vs_full     accuracy as % of full prefill's; d_acc: difference in points with a paired bootstrap 95% CI
   nll, d_nll      mean per-token NLL of the (first) gold answer after the question; d_nll = method - full (CI)
+  d_nll_median    the median over items of the paired difference (a mean carried by a few items shows here)
   first_agree     % first answer tokens equal to full prefill's;  kl: mean KL(full || method), first token
   agree           % answers identical to full prefill's (normalized text)
   ttft_s          median time to the first token with every chunk already stored (compose + repairs + question)
@@ -274,7 +275,9 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
             "acc_vs_full": 100 * sum(acc) / sum(acc_f) if sum(acc_f) else None,
             "d_acc": 100 * (statistics.fmean(acc) - statistics.fmean(acc_f)), "d_acc_ci": [100 * lo, 100 * hi],
             "nll": _mean(nll), "d_nll": _mean(nll) - _mean(nll_f),
-            "d_nll_ci": [nlo, nhi], "first_agree": 100 * mean("first_agree"),
+            "d_nll_ci": [nlo, nhi],
+            "d_nll_median": statistics.median([a - b for a, b in zip(nll, nll_f)]) if nll else None,
+            "first_agree": 100 * mean("first_agree"),
             "kl": mean("kl"), "agree": 100 * mean("agree"),
             "ttft_s": statistics.median(t), "speedup": statistics.median([b / a for a, b in zip(t, t_f)]),
             "vs_prefix": statistics.median([recs[i]["ttft_s"] / prefix[i]["ttft_s"] for i in on_p]) if on_p else None,
@@ -284,8 +287,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
     return out
 
 
-COLS = ["method", "n", "accuracy", "acc_vs_full", "d_acc", "nll", "d_nll", "first_agree", "kl", "agree", "ttft_s",
-        "speedup", "vs_prefix", "recomputed"]
+COLS = ["method", "n", "accuracy", "acc_vs_full", "d_acc", "nll", "d_nll", "d_nll_median", "first_agree", "kl", "agree",
+        "ttft_s", "speedup", "vs_prefix", "recomputed"]
 
 
 def table(summary: dict[str, dict]) -> str:
@@ -296,7 +299,7 @@ def table(summary: dict[str, dict]) -> str:
         row["d_nll"] = f"{r['d_nll']:+.3f} [{r['d_nll_ci'][0]:+.3f}, {r['d_nll_ci'][1]:+.3f}]"
         rows.append(row)
     fmt = {c: ".1f" for c in COLS[2:]} | {"nll": ".3f", "kl": ".3f", "ttft_s": ".3f", "speedup": ".2f",
-                                          "vs_prefix": ".2f", "n": "d"}
+                                          "vs_prefix": ".2f", "n": "d", "d_nll_median": "+.3f"}
     return markdown_table(rows, COLS, fmt)
 
 

@@ -303,6 +303,7 @@ def test_rag_qa_summary_pairs_every_method_with_full_prefill_on_the_same_items()
     seq = s["sequential"]
     assert seq["n"] == 2 and seq["accuracy"] == 50.0 and seq["acc_vs_full"] == 100.0 and seq["d_acc"] == 0.0
     assert abs(seq["d_nll"] - 0.3) < 1e-9 and seq["first_agree"] == 50.0 and abs(seq["kl"] - 0.1) < 1e-9
+    assert abs(seq["d_nll_median"] - 0.3) < 1e-9            # paired differences 0.5 and 0.1: median of two
     assert seq["speedup"] == 4.0 and seq["recomputed"] == 10.0 and s["full"]["recomputed"] == 100.0
     with pytest.raises(ValueError, match="records: expected full prefill's records"):
         rag_qa.summarize([r for r in rows if r["method"] != "full"])
