@@ -268,7 +268,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
         t, t_f = _paired(recs, full, ids, "ttft_s")
         on_p = [i for i in ids if i in prefix]
         lo, hi = _ci([a - b for a, b in zip(acc, acc_f)])
-        nlo, nhi = _ci([a - b for a, b in zip(nll, nll_f)])
+        d_nll = [a - b for a, b in zip(nll, nll_f)]
+        nlo, nhi = _ci(d_nll)
         mean = lambda key: _mean(_paired(recs, full, ids, key)[0])      # noqa: E731
         out[name] = {
             "n": len(ids), "accuracy": 100 * statistics.fmean(acc),
@@ -276,7 +277,7 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
             "d_acc": 100 * (statistics.fmean(acc) - statistics.fmean(acc_f)), "d_acc_ci": [100 * lo, 100 * hi],
             "nll": _mean(nll), "d_nll": _mean(nll) - _mean(nll_f),
             "d_nll_ci": [nlo, nhi],
-            "d_nll_median": statistics.median([a - b for a, b in zip(nll, nll_f)]) if nll else None,
+            "d_nll_median": statistics.median(d_nll) if d_nll else None,
             "first_agree": 100 * mean("first_agree"),
             "kl": mean("kl"), "agree": 100 * mean("agree"),
             "ttft_s": statistics.median(t), "speedup": statistics.median([b / a for a, b in zip(t, t_f)]),
