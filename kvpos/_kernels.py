@@ -91,7 +91,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype = None
     for name in ("kvpos_decode_heads_f32", "kvpos_decode_heads_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [vp] * 8 + [i64] + [vp] * 3 + [i64] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [vp] * 8 + [i64] * 2 + [vp] * 3 + [i64] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
     for name in ("kvpos_importance_f32", "kvpos_importance_bf16"):
         fn = getattr(lib, name)

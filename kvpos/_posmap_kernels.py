@@ -9,6 +9,7 @@ import torch
 
 from ._checks import fail
 from ._kernels import _get
+from .posmap import factor_bits
 
 __all__ = ["decode_heads_kernel", "segment_mass_kernel", "pine_decode_kernel"]
 
@@ -54,9 +55,9 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     row for all heads, or one per query head). Per-head position scales (Ms-PoE) are tables; per-(head, segment)
     offsets (PINE) are query variants. With fpos [Bc, N] int64 (the slots' integer positions) the tables are
     factored instead (`kvpos.posmap.factored_tables`): cos / sin [Rt, NT, R/2], the angle of position t the sum of
-    row t mod 64 (unscaled) and row 64 + t // 64 (times the attention scaling), multiplied in registers: tables of a
-    few KB where full ones take Rt * N rows. None where the kernel cannot serve; ValueError on indices outside the tables
-    or variants (found by the kernel, which never reads them). Float64 reference:
+    row t mod F (unscaled) and row F + t // F (times the attention scaling), F = 2 ** kvpos.posmap.factor_bits(R),
+    multiplied in registers: tables of a few KB where full ones take Rt * N rows. None where the kernel cannot
+    serve; ValueError on indices outside the tables or variants (found by the kernel, which never reads them). Float64 reference:
     `kvpos.reference.decode_heads_ref`."""
     if torch.compiler.is_compiling():
         return None
@@ -70,15 +71,17 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     Hq, V = q.shape[1], q.shape[2]
     if fpos is None:
         Rt, Bc, Nc, h2 = cos.shape
-        NT, fp = 0, None
+        NT, fp, fb = 0, None, 0
         if Nc != N or h2 != rotary_dim // 2 or Bc not in (1, B):
             fail("decode_heads_kernel cos/sin", f"[Rt, 1 or B={B}, N={N}, R/2={rotary_dim // 2}]", list(cos.shape))
     else:
         Rt, NT, h2 = cos.shape
+        fb = factor_bits(rotary_dim)
         fp = fpos.to(torch.int64).reshape(-1, N).contiguous()
         Bc = fp.shape[0]
-        if h2 != rotary_dim // 2 or NT <= 64 or Bc not in (1, B):
-            fail("decode_heads_kernel factored cos/sin, fpos", f"[Rt, NT > 64, R/2={rotary_dim // 2}], [1 or B, N]",
+        if h2 != rotary_dim // 2 or NT <= (1 << fb) or Bc not in (1, B):
+            fail("decode_heads_kernel factored cos/sin, fpos",
+                 f"[Rt, NT > {1 << fb}, R/2={rotary_dim // 2}], [1 or B, N]",
                  f"{list(cos.shape)}, {list(fpos.shape)}")
     ht = head_table.to(torch.int64).contiguous()
     rows = ht.tolist() if ht.dim() == 1 else []
@@ -98,7 +101,7 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     cs, sn = cos.contiguous(), sin.contiguous()
     fn = lib.kvpos_decode_heads_f32 if k.dtype == torch.float32 else lib.kvpos_decode_heads_bf16
     bad = fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), cs.data_ptr(), sn.data_ptr(), ht.data_ptr(),
-             0 if sg is None else sg.data_ptr(), 0 if fp is None else fp.data_ptr(), NT,
+             0 if sg is None else sg.data_ptr(), 0 if fp is None else fp.data_ptr(), NT, fb,
              0 if m is None else m.data_ptr(), out.data_ptr(), work.data_ptr(),
              B, Hkv, G, V, N, D, rotary_dim, Bc, 1 if sg is None else sg.shape[0], 1 if m is None else m.shape[0],
              1 if m is None else m.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(scale),
@@ -107,7 +110,8 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
         fail("decode_heads_kernel seg", f"ints in [0, V={V}) (the query variants)",
              f"range [{int(sg.min())}, {int(sg.max())}]")
     if bad & 2:
-        fail("decode_heads_kernel fpos", f"positions in [0, {64 * (NT - 64)}) (the factored tables' span)",
+        span = (1 << fb) * (NT - (1 << fb))
+        fail("decode_heads_kernel fpos", f"positions in [0, {span}) (the factored tables' span)",
              f"range [{int(fp.min())}, {int(fp.max())}]", "build the tables for the largest position")
     return out
 

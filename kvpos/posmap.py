@@ -28,8 +28,8 @@ from ._checks import fail
 from .rope import RopeSpec, _pairs, cos_sin
 from .window import WindowConfig
 
-__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "turned_cos_sin", "factored_tables", "rotate_heads",
-           "scaled_attend", "position_awareness", "assign_ratios", "segment_importance", "pine_shifts",
+__all__ = ["HeadScales", "ms_poe_scales", "scaled_cos_sin", "turned_cos_sin", "factored_tables", "factor_bits",
+           "rotate_heads", "scaled_attend", "position_awareness", "assign_ratios", "segment_importance", "pine_shifts",
            "offset_attend", "shifted_window", "softmax_mass", "pair_importance", "pair_shifts", "window_decode_map",
            "MS_POE_MIN", "MS_POE_MAX", "MS_POE_FIRST_LAYER"]
 
@@ -112,20 +112,29 @@ def turned_cos_sin(pos: torch.Tensor, ratios: torch.Tensor, spec: RopeSpec) -> t
     return ang.cos().float(), ang.sin().float()
 
 
+def factor_bits(rotary_dim: int) -> int:
+    """log2 of the rows F of the factored tables' low part for rotary width R: a key turns by row t mod F, the query
+    back by row F + t // F (once per run of F keys). 3 (F = 8) for R <= 64, 4 (F = 16) above: the fastest on
+    SmolLM2's R = 64 and Gemma 3's R = 256 (bench/bench_posmap.py; 64 rows left SmolLM2's group of 3 heads reading
+    48 KB of low rows per key, past a core's L1)."""
+    return 3 if rotary_dim <= 64 else 4
+
+
 def factored_tables(ratios: torch.Tensor, positions: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The factored rotation tables of the position-map decode kernel (`kvpos._posmap_kernels.decode_heads_kernel` with
-    fpos) for positions 0 .. positions-1 at scales p -> p / r: cos, sin [Rt, 64 + ceil(positions / 64), R/2] float32,
-    row l < 64 the angle (l / r) * inv_freq, row 64 + m the angle (64 m / r) * inv_freq times the attention scaling
-    (computed in float64, rounded once). ratios [Rt] > 0."""
+    fpos) for positions 0 .. positions-1 at scales p -> p / r, F = 2 ** factor_bits(R): cos, sin
+    [Rt, F + ceil(positions / F), R/2] float32, row l < F the angle (l / r) * inv_freq, row F + m the angle
+    (F m / r) * inv_freq times the attention scaling (computed in float64, rounded once). ratios [Rt] > 0."""
     if not isinstance(positions, int) or positions < 1:
         fail("factored_tables positions", "an int >= 1 (one past the largest slot position)", positions)
+    F = 1 << factor_bits(spec.rotary_dim)
     r = torch.as_tensor(ratios, dtype=torch.float64).reshape(-1, 1, 1)
     inv = spec.inv_freq.to(torch.float64)
-    steps = torch.cat([torch.arange(64, dtype=torch.float64),
-                       64.0 * torch.arange((positions + 63) // 64, dtype=torch.float64)])
+    steps = torch.cat([torch.arange(F, dtype=torch.float64),
+                       float(F) * torch.arange((positions + F - 1) // F, dtype=torch.float64)])
     ang = steps[None, :, None] / r * inv
     s = torch.ones(steps.shape[0], 1, dtype=torch.float64)
-    s[64:] = spec.attention_scaling
+    s[F:] = spec.attention_scaling
     return (ang.cos() * s).float(), (ang.sin() * s).float()
 
 

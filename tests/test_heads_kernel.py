@@ -7,7 +7,7 @@ import torch
 
 from kvpos._kernels import decode_raw_kernel, rope_kernel_available
 from kvpos._posmap_kernels import decode_heads_kernel
-from kvpos.posmap import factored_tables
+from kvpos.posmap import factor_bits, factored_tables
 from kvpos.reference import decode_heads_ref
 from kvpos.rope import RopeLayout
 
@@ -113,19 +113,21 @@ def test_indices_out_of_range_are_refused_before_the_kernel_reads_them():
 
 
 @pytest.mark.parametrize("layout,R,scaling", [(RopeLayout.HALF, 64, 1.0), (RopeLayout.INTERLEAVED, 32, 1.3),
-                                              (RopeLayout.HALF, 32, 1.0)])
+                                              (RopeLayout.HALF, 32, 1.0), (RopeLayout.HALF, 128, 1.0)])
 @pytest.mark.parametrize("variants", [2, 1])   # 1: no segments (Ms-PoE's own loop in the kernel)
 def test_factored_tables_give_per_head_scales_equal_to_the_float64_reference(layout, R, scaling, variants):
     g = torch.Generator().manual_seed(3)
-    spec = spec_for(64, R, layout, scaling)
+    D = max(64, R)                                 # R = 128: the wider tables' row count (factor_bits)
+    spec = spec_for(D, R, layout, scaling)
     B, Hkv, G, N = 2, 3, 3, 333
-    k, v = torch.randn(B, Hkv, N, 64, generator=g), torch.randn(B, Hkv, N, 64, generator=g)
+    k, v = torch.randn(B, Hkv, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g)
     pos = torch.randint(0, 9000, (B, N), generator=g)
     ratios = torch.tensor([1.0, 1.2, 1.5, 1.8])
     cos, sin = factored_tables(ratios, 9000, spec)
-    assert cos.shape == (4, 64 + 141, R // 2)
+    F = 1 << factor_bits(R)
+    assert cos.shape == (4, F + -(-9000 // F), R // 2)
     head_table = torch.randint(0, 4, (Hkv * G,), generator=g)
-    q = torch.randn(B, Hkv * G, variants, 64, generator=g)
+    q = torch.randn(B, Hkv * G, variants, D, generator=g)
     seg = torch.randint(0, 2, (B, N), generator=g) if variants > 1 else None
     out = decode_heads_kernel(q, k, v, cos, sin, head_table, seg, None, 0.125, R, layout is RopeLayout.INTERLEAVED,
                               fpos=pos)

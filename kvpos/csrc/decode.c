@@ -235,8 +235,8 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
    with its own table (per-head position scales, Ms-PoE) and scores it with the query variant of the key's segment
    (per-(head, segment) offsets, PINE). q float32 [B, Hq, V, D]: V rotated variants of each query head; cs, sn float32
    [Rt, Bc, N, R/2]: Rt rotation tables (cos/sin of each slot's mapped position, times the attention scaling), or,
-   with fpos int64 [Bc, N] (slot positions in [0, 64 * (NT - 64))), factored tables [Rt, NT, R/2] whose rows 0..63
-   hold the angles of t mod 64 (unscaled) and rows 64 + m those of 64 m (times the scaling): the key turns by the
+   with fpos int64 [Bc, N] (slot positions in [0, F * (NT - F)), F = 2^FB), factored tables [Rt, NT, R/2] whose rows
+   0..F-1 hold the angles of t mod F (unscaled) and rows F + m those of F m (times the scaling): the key turns by the
    first, the query back by the second, s R(-hi) q . R(lo) k = q . s R(hi + lo) k (small tables that stay in cache,
    for per-head scales p -> p / r);
    hrow int64 [Hq]: the table of each query head; seg int32 [Bs, N] (Bs in {1, B}) or NULL: the query variant each
@@ -250,7 +250,7 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         int64_t sj = srow ? srow[j] : 0;                                                                       \
         if (sj < 0 || sj >= V) { sj = 0; _Pragma("omp atomic") bad |= 1; }    /* reported, never read */      \
         int64_t tj = fpos ? fpos[bc * N + j] : 0;                                                              \
-        if (fpos && (tj < 0 || (tj >> 6) >= NT - 64)) { tj = 0; _Pragma("omp atomic") bad |= 2; }             \
+        if (fpos && (tj < 0 || (tj >> FB) >= NT - FR)) { tj = 0; _Pragma("omp atomic") bad |= 2; }            \
         if (sj != qsj) {                     /* the variant rows, kept along a run of keys of one segment */  \
             for (int64_t g = 0; g < G; g++) qvs[g] = q + ((b * Hkv * G + h * G + g) * V + sj) * D;           \
             qsj = sj;                                                                                          \
@@ -268,12 +268,12 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
                 ng[g] = sn + ((hrow[h * G + g] * Bc + bc) * N + j) * h2;                                       \
                 continue;                                                                                      \
             }                                                                                                  \
-            /* factored: the key turns by row t mod 64, the query back by row 64 + t / 64 (kept while the     \
-               (t / 64, variant) pair repeats, as it does along contiguous positions) */                      \
-            const int64_t base = hrow[h * G + g] * NT, key = (tj >> 6) * V + sj;                              \
-            cg[g] = cs + (base + (tj & 63)) * h2; ng[g] = sn + (base + (tj & 63)) * h2;                       \
+            /* factored: the key turns by row t mod F, the query back by row F + t / F (kept while the        \
+               (t / F, variant) pair repeats, as it does along contiguous positions) */                       \
+            const int64_t base = hrow[h * G + g] * NT, key = (tj >> FB) * V + sj;                             \
+            cg[g] = cs + (base + (tj & (FR - 1))) * h2; ng[g] = sn + (base + (tj & (FR - 1))) * h2;           \
             if (key != qkey[g]) {                                                                              \
-                const float *ch = cs + (base + 64 + (tj >> 6)) * h2, *nh = sn + (base + 64 + (tj >> 6)) * h2; \
+                const float *ch = cs + (base + FR + (tj >> FB)) * h2, *nh = sn + (base + FR + (tj >> FB)) * h2;\
                 for (int64_t i = 0; i < h2; i++) {                                                             \
                     const int64_t ia = layout == 0 ? i : 2 * i, ie = layout == 0 ? i + h2 : 2 * i + 1;        \
                     qbuf[g][ia] = qvs[g][ia] * ch[i] + qvs[g][ie] * nh[i];                                     \
@@ -335,16 +335,16 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         for (int64_t g = 0; g < (GC); g++) sc[g][j - j0] = hsum8(acc[g]) * scale + HEAD_ADD(g);                \
     }
 /* factored tables and one query variant (Ms-PoE's per-head scales): per key, each head turns it by its table's row
-   t mod 64; the queries turned back by row 64 + t / 64 once per run of 64 positions */
+   t mod F; the queries turned back by row F + t / F once per run of F positions */
 #define HEADS_FACTORED_AVX2(LD8, GC)                                                                           \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
         int64_t tj = fpos[bc * N + j];                                                                         \
-        if (tj < 0 || (tj >> 6) >= NT - 64) { tj = 0; _Pragma("omp atomic") bad |= 2; }                       \
-        const int64_t hi = tj >> 6, lo = (tj & 63) * h2;                                                       \
+        if (tj < 0 || (tj >> FB) >= NT - FR) { tj = 0; _Pragma("omp atomic") bad |= 2; }                      \
+        const int64_t hi = tj >> FB, lo = (tj & (FR - 1)) * h2;                                                \
         if (hi != qhi) {                                                                                       \
             for (int64_t g = 0; g < (GC); g++) {                                                               \
                 const float *q0 = q + (b * Hkv * G + h * G + g) * V * D;                                       \
-                const float *ch = ftab[g] + (64 + hi) * h2, *nh = fsin[g] + (64 + hi) * h2;                    \
+                const float *ch = ftab[g] + (FR + hi) * h2, *nh = fsin[g] + (FR + hi) * h2;                    \
                 for (int64_t i = 0; i < h2; i++) {                                                             \
                     qbuf[g][i] = q0[i] * ch[i] + q0[i + h2] * nh[i];                                           \
                     qbuf[g][i + h2] = q0[i + h2] * ch[i] - q0[i] * nh[i];                                      \
@@ -430,13 +430,15 @@ void kvpos_decode_raw_bf16(DECODE_ARGS) { typedef uint16_t T; const T *k = kp, *
         float qbuf[KV_MAXG][256];                                                                              \
         const float *qvs[KV_MAXG];                                                                             \
         int64_t qkey[KV_MAXG], qsj = -1;                                                                       \
+        const int64_t FR = (int64_t)1 << FB;          /* factored tables: rows of t mod FR, then of FR m */   \
         for (int64_t g = 0; g < G; g++) qkey[g] = -1;                                                          \
         for (int64_t g = 1; g < G; g++) shared &= hrow[h * G + g] == hrow[h * G];
 #define HEADS_VEC(LD8) { HEADS_SETUP HEADS_SCORES_VEC(LD8) }
 #define HEADS_SCALAR(LOAD) { HEADS_SETUP HEADS_SCORES_SCALAR(LOAD) }
 
 #define DECODE_HEADS_ARGS const float *q, const void *kp, const void *vp, const float *cs, const float *sn,        \
-                    const int64_t *hrow, const int32_t *seg, const int64_t *fpos, int64_t NT, const float *mask,     \
+                    const int64_t *hrow, const int32_t *seg, const int64_t *fpos, int64_t NT, int64_t FB,           \
+                    const float *mask,                                                                               \
                     float *out, float *work, int64_t B,                                                              \
                     int64_t Hkv, int64_t G, int64_t V, int64_t N, int64_t D, int64_t R, int64_t Bc, int64_t Bs,      \
                     int64_t Bm, int64_t Hm, int64_t kb, int64_t kh, int64_t vb, int64_t vh, float scale, int layout, \
@@ -769,7 +771,7 @@ static void pine_turn(const float *x, float *y, const float *c, const float *s, 
                     mask[r * N + j] = qpos[b] - at < window ? m : -INFINITY;                                   \
                 }                                                                                              \
             }                                                                                                  \
-        bad |= kvpos_decode_heads_##SUFFIX(qv, kp, vp, cs, sn, zero, seg, 0, 0, window > 0 ? mask : imask, out,\
+        bad |= kvpos_decode_heads_##SUFFIX(qv, kp, vp, cs, sn, zero, seg, 0, 0, 0, window > 0 ? mask : imask, out,\
                                            work, B, Hkv, G, V, N, D, R, Bc, Bs, window > 0 ? B : Bm,           \
                                            window > 0 ? Hq : 1, kb, kh, vb, vh, scale, layout, nthreads);      \
     }                                                                                                          \
