@@ -57,8 +57,8 @@ def decode_heads_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     factored instead (`kvpos.posmap.factored_tables`): cos / sin [Rt, NT, R/2], the angle of position t the sum of
     row t mod F (unscaled) and row F + t // F (times the attention scaling), F = 2 ** kvpos.posmap.factor_bits(R),
     multiplied in registers: tables of a few KB where full ones take Rt * N rows. None where the kernel cannot
-    serve; ValueError on indices outside the tables or variants (found by the kernel, which never reads them). Float64 reference:
-    `kvpos.reference.decode_heads_ref`."""
+    serve; ValueError on indices outside the tables or variants (found by the kernel, which never reads them).
+    Float64 reference: `kvpos.reference.decode_heads_ref`."""
     if torch.compiler.is_compiling():
         return None
     B, Hkv, N, D = k.shape

@@ -16,7 +16,7 @@ from .layers import SlotLayer
 from ..posmap import factored_tables, scaled_cos_sin
 
 
-TABLE_SPAN = 4096         # positions the kept factored tables grow by (4096 / F more rows per span, kvpos.posmap.factor_bits)
+TABLE_SPAN = 4096         # positions the kept factored tables grow by (4096 / F more rows, F: posmap.factor_bits)
 _KEEP_MAX = 64            # kept tables per cache (distinct ratio sets); past it the memo starts over
 
 
