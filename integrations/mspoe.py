@@ -189,7 +189,7 @@ def _decode_fused(cache: PositionedKV, call: AttentionCall, turn: torch.Tensor, 
     mask = None
     if allowed is not None and not bool(allowed.all()):
         mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
-    out = cache.decode_mapped(call.layer, q, mask, call.scaling, ratios=r)
+    out = cache.decode_mapped(call.layer, q, mask, call.scaling, ratios=r, state=call.read_state)
     return None if out is None else out[:, :, None]
 
 

@@ -84,6 +84,7 @@ class PineLiteBackend:
         self.importance_counts = {"fused": 0, "torch": 0}   # which path computed each call's document importance
         self._layout: tuple | None = None           # (segments, positions, document_layout of them): one per step
         self._doc32: torch.Tensor | None = None     # that layout's documents as int32
+        self._step: tuple | None = None             # (read state, {(mask id, window): (mask, version, inputs)})
 
     def layout(self, seg: torch.Tensor, pos: torch.Tensor) -> tuple:
         """document_layout(seg, pos), computed once while the slots' segments and positions stay equal (every layer
@@ -97,26 +98,22 @@ class PineLiteBackend:
 
     def __call__(self, call: AttentionCall, binding: Binding) -> torch.Tensor:
         cache = binding.cache_layer_keys(call)
-        layer = cache.layers[call.layer]
-        B, Hq, Lq, _ = call.query.shape
-        N = call.n_keys
-        seg = cache.table.segment[:, :N]
-        if bool((seg[:, N - Lq:] >= SEG_CHUNK0).any()):
-            fail("PineLiteBackend", "query rows that are not document slots (documents are encoded apart, then "
-                 "composed; only the question and answer run under the backend)", "document slots among the rows")
-        pos = cache.table.pos[:, :N].to(call.query.device)
-        doc, n, start, size, end = self.layout(seg, pos)
-        if n == 0:
-            return call.plain()                     # no documents: plain attention
-        allowed = call.allowed().expand(B, 1, Lq, N)
-        if call.window is not None:                 # importance over every causal key; the window at PINE's positions
-            allowed = unwindowed(cache, call, allowed, torch.arange(N - Lq, N), "PineLiteBackend")
-        if Lq == 1:                                 # a decode step: one kernel call (storage="raw")
-            got = _decode_one_call(cache, call, self._doc32, start, size, end, allowed)
+        if call.query.shape[2] == 1:                # a decode step: one kernel call (storage="raw")
+            inputs = self._step_args(cache, call)
+            if inputs is None:
+                return call.plain()                 # no documents: plain attention
+            got = cache.decode_pine(call.layer, call.query[:, :, 0], *inputs, call.scaling, window=call.window,
+                                    state=call.read_state)
             if got is not None:
                 self.read_counts["fused"] += 1
                 self.importance_counts["fused"] += 1
-                return AttentionCall.finish(got[:, :, None].to(call.query.dtype))
+                return AttentionCall.finish(got[0][:, :, None].to(call.query.dtype))
+        got = self._inputs(cache, call)
+        if got is None:
+            return call.plain()                     # no documents: plain attention
+        doc, n, start, size, end, allowed = got
+        layer, Lq, N = cache.layers[call.layer], call.query.shape[2], call.n_keys
+        pos = cache.table.pos[:, :N].to(call.query.device)
         q_raw = unrotate(call.query, pos[:, N - Lq:], layer.spec)
         imp = segment_importance(q_raw, layer.raw_keys, doc, n, call.scaling, allowed)
         self.importance_counts["torch"] += 1
@@ -126,6 +123,55 @@ class PineLiteBackend:
             allowed = allowed & shifted_window(pos[:, N - Lq:], pos, doc, shift, call.window)   # [B, Hq, q, N]
         out = offset_attend(call.query, call.key, call.value, doc, shift, layer.spec, call.scaling, allowed)
         return AttentionCall.finish(out.to(call.query.dtype))
+
+    def _inputs(self, cache: PositionedKV, call: AttentionCall) -> tuple | None:
+        """(doc [B, N] int64, n, start, size, end, allowed [B, 1, q, N] bool) of the call (document_layout; on a
+        sliding-window layer the visibility without the window, `unwindowed`), None when no slot is a document;
+        refuses query rows that are document slots."""
+        B, Lq, N = call.query.shape[0], call.query.shape[2], call.n_keys
+        seg = cache.table.segment[:, :N]
+        if bool((seg[:, N - Lq:] >= SEG_CHUNK0).any()):
+            fail("PineLiteBackend", "query rows that are not document slots (documents are encoded apart, then "
+                 "composed; only the question and answer run under the backend)", "document slots among the rows")
+        pos = cache.table.pos[:, :N].to(call.query.device)
+        doc, n, start, size, end = self.layout(seg, pos)
+        if n == 0:
+            return None
+        allowed = call.allowed().expand(B, 1, Lq, N)
+        if call.window is not None:                 # importance over every causal key; the window at PINE's positions
+            allowed = unwindowed(cache, call, allowed, torch.arange(N - Lq, N), "PineLiteBackend")
+        return doc, n, start, size, end, allowed
+
+    def _step_args(self, cache: PositionedKV, call: AttentionCall) -> tuple | None:
+        """(doc int32 [B, N], start, size, end, additive mask [B, N] or None) of a decode call, as
+        PositionedKV.decode_pine takes them, or None when no slot is a document. Built once per forward and mask:
+        the layers of a step share the forward's read state (`call.read_state`, a raw hand-off's; without one
+        nothing is kept) and transformers' mask tensor (one per layer type), so only the first layer of each pays
+        for the checks, the layout and the mask (kept by identity and version counter, so a mask written in place is
+        seen)."""
+        st, m = call.read_state, call.mask
+        if st is None:
+            return self._step_layout(cache, call)
+        if self._step is None or self._step[0] is not st:
+            self._step = (st, {})
+        memo, key = self._step[1], (id(m), call.window)
+        got = memo.get(key)
+        if got is not None and got[0] is m and (m is None or got[1] == m._version):
+            return got[2]
+        inputs = self._step_layout(cache, call)
+        memo[key] = (m, None if m is None else m._version, inputs)
+        return inputs
+
+    def _step_layout(self, cache: PositionedKV, call: AttentionCall) -> tuple | None:
+        """_step_args without the memo."""
+        found = self._inputs(cache, call)
+        if found is None:
+            return None
+        _, _, start, size, end, allowed = found
+        mask = None
+        if not bool(allowed.all()):
+            mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
+        return self._doc32, start, size, end, mask
 
 
 def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, q_slots: torch.Tensor,
@@ -149,20 +195,6 @@ def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, 
              "applied at PINE's positions instead of the cache's slot order", "a custom mask",
              "run PINE on sliding-window layers with the default mask")
     return base.expand_as(allowed)
-
-
-def _decode_one_call(cache: PositionedKV, call: AttentionCall, doc32: torch.Tensor, start: torch.Tensor,
-                     size: torch.Tensor, end: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor | None:
-    """One query row over storage="raw" in one kernel call (PositionedKV.decode_pine: the importance without RoPE,
-    the shifts, one query variant per document, the position-map decode; on a sliding-window layer the window at
-    each head's read distances): [B, Hq, D] float32, or None where the kernel cannot serve. allowed [B, 1, 1, N]
-    bool: what the query sees (on a sliding-window layer without the window); no mask when it sees every key."""
-    mask = None
-    if not bool(allowed.all()):
-        mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
-    got = cache.decode_pine(call.layer, call.query[:, :, 0], doc32, start, size, end, mask, call.scaling,
-                            window=call.window)
-    return None if got is None else got[0]
 
 
 @contextlib.contextmanager

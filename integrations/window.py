@@ -84,7 +84,8 @@ class WindowBackend:
         m = self._decode_map(cache.table.pos[:, :N], allowed[:, 0, 0])
         if m is None:
             return None
-        out = cache.decode_mapped(call.layer, call.query[:, :, :1], m[1], call.scaling, positions=m[0])
+        out = cache.decode_mapped(call.layer, call.query[:, :, :1], m[1], call.scaling, positions=m[0],
+                                  state=call.read_state)
         if out is None:
             return None
         far = max(0, N - min(self.cfg.sinks, N) - min(self.cfg.window, max(0, N - self.cfg.sinks)))

@@ -4,6 +4,7 @@ in one call. The C lives in kvpos/csrc/decode.c; the library is built and loaded
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -11,7 +12,7 @@ from ._checks import fail
 from ._kernels import _get
 from .posmap import factor_bits
 
-__all__ = ["decode_heads_kernel", "segment_mass_kernel", "pine_decode_kernel"]
+__all__ = ["decode_heads_kernel", "segment_mass_kernel", "pine_decode_kernel", "PinePlan", "pine_plan"]
 
 
 def _head_mask(mask: torch.Tensor | None, B: int, Hq: int, N: int, what: str) -> torch.Tensor | None:
@@ -172,23 +173,97 @@ def pine_decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     angles computed in float32 (the spec's angle dtype, as transformers does) rather than float64. The
     kernel computes segment_importance without RoPE, pine_shifts, one query variant per document and
     decode_heads_kernel with per-key variants (and per-head window masks); ValueError on document indices outside
-    [-1, n). Float64 references: `kvpos.reference.segment_mass_ref`, `kvpos.posmap.pine_shifts`,
+    [-1, n). `pine_plan(...).run(q, k, v, scale)` is the same call with the per-step arguments laid out once (the
+    layers of a step share them). Float64 references: `kvpos.reference.segment_mass_ref`, `kvpos.posmap.pine_shifts`,
     `kvpos.reference.decode_heads_ref`."""
     if torch.compiler.is_compiling():
         return None
-    B, Hkv, N, D = k.shape
-    if (q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or k.device.type != "cpu"
-            or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype or v.shape != k.shape
-            or k.stride(3) != 1 or k.stride(2) != D or v.stride(3) != 1 or v.stride(2) != D or k.requires_grad
-            or v.requires_grad or cos.dtype != torch.float32 or sin.shape != cos.shape):
-        return None
-    Hq, h2 = q.shape[1], rotary_dim // 2
-    if Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0:
-        return None
-    n = size.shape[-1]
-    if start.shape != (B, n) or size.shape != (B, n) or end.shape != (B,) or qpos.shape != (B,) or n < 1:
-        fail("pine_decode_kernel start / size / end / qpos", f"[B={B}, n], [B, n], [B], [B] with n >= 1",
-             f"{list(start.shape)}, {list(size.shape)}, {list(end.shape)}, {list(qpos.shape)}")
+    plan = pine_plan(cos, sin, inv_freq, doc, start, size, end, kpos, qpos, mask, attention_scaling, rotary_dim,
+                     interleaved, window, angle_f32)
+    return plan.run(q, k, v, scale)
+
+
+@dataclass(frozen=True)
+class PinePlan:
+    """pine_decode_kernel's per-step arguments, checked and laid out as the kernel reads them (contiguous, its
+    dtypes): the layers of one decode step share them, so each layer pays for one kernel call only. Built by
+    `pine_plan`; B rows, N slots, n documents."""
+
+    cs: torch.Tensor          # [Bc, N, R/2] float32
+    sn: torch.Tensor
+    inv: torch.Tensor         # [R/2] float64
+    dc: torch.Tensor          # [Bs, N] int32
+    st: torch.Tensor          # [B, n] int64
+    sz: torch.Tensor
+    en: torch.Tensor          # [B] int64
+    kp: torch.Tensor          # [Bc, N] int64
+    qp: torch.Tensor          # [B] int64
+    m: torch.Tensor | None    # [Bm, 1, N] float32 additive
+    B: int
+    N: int
+    n: int
+    window: int
+    attention_scaling: float
+    rotary_dim: int
+    interleaved: bool
+    angle_f32: bool
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """pine_decode_kernel over one layer's q [B, Hq, D], raw keys and values k, v [B, Hkv, N, D]: (out [B, Hq, D]
+        float32, shift [B, Hq, n] int64), or None where the kernel cannot serve (see pine_decode_kernel)."""
+        if torch.compiler.is_compiling():
+            return None
+        B, Hkv, N, D = k.shape
+        if (q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or k.device.type != "cpu"
+                or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype or v.shape != k.shape
+                or k.stride(3) != 1 or k.stride(2) != D or v.stride(3) != 1 or v.stride(2) != D or k.requires_grad
+                or v.requires_grad):
+            return None
+        Hq = q.shape[1]
+        if Hq % Hkv or Hq // Hkv > 16 or D > 256 or N == 0:
+            return None
+        if (B, N) != (self.B, self.N):
+            fail("PinePlan.run k", f"[B={self.B}, Hkv, N={self.N}, D] (the plan's rows and slots)", list(k.shape),
+                 "build the plan with this layer's tables and documents")
+        lib = _get()
+        if lib is None:
+            return None
+        n = self.n
+        out = torch.empty(B, Hq, D, dtype=torch.float32)
+        shift = torch.empty(B, Hq, n, dtype=torch.int64)
+        qc = q.to(torch.float32).contiguous()
+        m = self.m
+        fn = lib.kvpos_pine_decode_f32 if k.dtype == torch.float32 else lib.kvpos_pine_decode_bf16
+        bad = fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), self.cs.data_ptr(), self.sn.data_ptr(), self.inv.data_ptr(),
+                 self.dc.data_ptr(), self.st.data_ptr(), self.sz.data_ptr(), self.en.data_ptr(), self.kp.data_ptr(),
+                 self.qp.data_ptr(), 0 if m is None else m.data_ptr(), out.data_ptr(), shift.data_ptr(), B, Hkv,
+                 Hq // Hkv, N, D, self.rotary_dim, n, self.cs.shape[0], self.dc.shape[0],
+                 1 if m is None else m.shape[0], k.stride(0), k.stride(1), v.stride(0), v.stride(1), self.window,
+                 float(scale), float(self.attention_scaling), 1 if self.interleaved else 0,
+                 1 if self.angle_f32 else 0, max(1, torch.get_num_threads()))
+        if bad & 4:
+            raise MemoryError("pine_decode_kernel: the kernel could not allocate its scratch buffers")
+        if bad & 1:
+            fail("pine_decode_kernel doc", f"ints in [-1, n={n}) (each slot's document, -1 for none)",
+                 f"range [{int(self.dc.min())}, {int(self.dc.max())}]")
+        return out, shift
+
+
+def pine_plan(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor, doc: torch.Tensor, start: torch.Tensor,
+              size: torch.Tensor, end: torch.Tensor, kpos: torch.Tensor, qpos: torch.Tensor,
+              mask: torch.Tensor | None, attention_scaling: float, rotary_dim: int, interleaved: bool,
+              window: int | None = None, angle_f32: bool = True) -> PinePlan:
+    """The per-step arguments of pine_decode_kernel (its docstring: shapes, meaning), checked once: B rows from
+    start, N slots from the tables. ValueError on misshaped or out-of-range arguments, naming them."""
+    B, n = start.shape if start.dim() == 2 else (-1, -1)
+    N, h2 = cos.shape[-2] if cos.dim() >= 2 else -1, rotary_dim // 2
+    if (start.dim() != 2 or size.shape != (B, n) or end.shape != (B,) or qpos.shape != (B,) or n < 1
+            or cos.dim() < 2 or cos.dtype != torch.float32 or sin.shape != cos.shape or cos.shape[-1] != h2):
+        fail("pine_decode_kernel start / size / end / qpos / cos / sin",
+             f"[B, n], [B, n], [B], [B] with n >= 1; float32 tables [B|1, N, R/2={h2}]",
+             f"{list(start.shape)}, {list(size.shape)}, {list(end.shape)}, {list(qpos.shape)}, "
+             f"{list(cos.shape)} {cos.dtype}, {list(sin.shape)}")
     if bool((size < 1).any()):
         fail("pine_decode_kernel size", "every document >= 1 slot", size.tolist())
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -200,25 +275,7 @@ def pine_decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     if cs.shape[0] not in (1, B) or kp.shape[0] != cs.shape[0] or dc.shape[0] not in (1, B):
         fail("pine_decode_kernel cos / kpos / doc", f"[1 or B={B}, N={N}, ...], kpos with the tables' rows",
              f"{list(cs.shape)}, {list(kp.shape)}, {list(dc.shape)}")
-    lib = _get()
-    if lib is None:
-        return None
-    out = torch.empty(B, Hq, D, dtype=torch.float32)
-    shift = torch.empty(B, Hq, n, dtype=torch.int64)
-    qc = q.to(torch.float32).contiguous()
-    inv = inv_freq.to(torch.float64).contiguous()
-    st, sz = start.to(torch.int64).contiguous(), size.to(torch.int64).contiguous()
-    en, qp = end.to(torch.int64).contiguous(), qpos.to(torch.int64).contiguous()
-    fn = lib.kvpos_pine_decode_f32 if k.dtype == torch.float32 else lib.kvpos_pine_decode_bf16
-    bad = fn(qc.data_ptr(), k.data_ptr(), v.data_ptr(), cs.data_ptr(), sn.data_ptr(), inv.data_ptr(), dc.data_ptr(),
-             st.data_ptr(), sz.data_ptr(), en.data_ptr(), kp.data_ptr(), qp.data_ptr(),
-             0 if m is None else m.data_ptr(), out.data_ptr(), shift.data_ptr(), B, Hkv, Hq // Hkv, N, D,
-             rotary_dim, n, cs.shape[0], dc.shape[0], 1 if m is None else m.shape[0], k.stride(0), k.stride(1),
-             v.stride(0), v.stride(1), 0 if window is None else window, float(scale), float(attention_scaling),
-             1 if interleaved else 0, 1 if angle_f32 else 0, max(1, torch.get_num_threads()))
-    if bad & 4:
-        raise MemoryError("pine_decode_kernel: the kernel could not allocate its scratch buffers")
-    if bad & 1:
-        fail("pine_decode_kernel doc", f"ints in [-1, n={n}) (each slot's document, -1 for none)",
-             f"range [{int(dc.min())}, {int(dc.max())}]")
-    return out, shift
+    return PinePlan(cs, sn, inv_freq.to(torch.float64).contiguous(), dc, start.to(torch.int64).contiguous(),
+                    size.to(torch.int64).contiguous(), end.to(torch.int64).contiguous(), kp,
+                    qpos.to(torch.int64).contiguous(), m, B, N, n, 0 if window is None else window,
+                    float(attention_scaling), rotary_dim, bool(interleaved), bool(angle_f32))

@@ -114,6 +114,34 @@ def test_pine_lite_equals_the_explicit_position_reference_in_prefill_and_decode(
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
 
 
+def test_pine_lite_decode_lays_out_each_step_once_and_sees_what_changed_between_steps(monkeypatch):
+    """The per-step arguments of the decode kernel (documents, mask, tables) are laid out once per forward and
+    shared by its layers; a later step after the cache changed (a document moved, a slot hidden) is laid out again:
+    the backend kept across those steps answers as a fresh one does."""
+    import kvpos.cache.reads as reads
+    model, composer, docs, q = _setup("llama", seed=1)
+    built = []
+    real = reads.pine_plan
+    monkeypatch.setattr(reads, "pine_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    cache, _ = composer.compose(docs, layout="sequential", storage="raw")
+    kept = PineLiteBackend()
+    extend(model, cache, q, attention=kept)
+    tok = torch.tensor([[7]])
+    extend(model, cache, tok, attention=kept)
+    assert len(built) == 1                           # one decode forward: one layout for all its layers
+    assert kept.read_counts["fused"] == model.config.num_hidden_layers
+    first = cache.table.pos[0].tolist().index(5)     # the first document slot (after the 5 anchor tokens)
+    for change in (lambda c: c.shift_(first, first + 2, -1), lambda c: c.hide_(first + 2, first + 3)):
+        change(cache)
+        fresh_cache = cache.copy()
+        got = extend(model, cache, tok, attention=kept)
+        want = extend(model, fresh_cache, tok, attention=PineLiteBackend())
+        assert torch.equal(got, want)
+        stale = extend(model, cache.copy(), tok, attention=None)
+        assert (got - stale).abs().max() > 1e-4      # the policy still acts after the change
+    assert len(built) == 5                           # each step laid out again (kept and fresh backends)
+
+
 def test_pine_shifts_put_the_most_important_document_last_and_pack_the_rest_before_it():
     imp = torch.tensor([[[[0.1, 0.7, 0.2]]]])                                  # doc 1, then doc 2, then doc 0
     start, size, end = torch.tensor([[5, 8, 15]]), torch.tensor([[3, 7, 4]]), torch.tensor([19])

@@ -59,6 +59,7 @@ class AttentionCall:
     read: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None   # lazy (key, value) of a raw hand-off
     handed_by: PositionedKV | None = None                                 # the cache that handed its raw keys
     window: int | None = None     # the layer's sliding window (keys at slot distance >= window hidden), None: full
+    read_state: Any = None        # a raw hand-off's read state: the forward's tables, shared by all its layers
 
     @property
     def key(self) -> torch.Tensor:
@@ -302,7 +303,8 @@ def _call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | None
     call = AttentionCall(module.layer_idx, query, key, None if read is not None else value, attention_mask, sm,
                          lambda: None, key.shape[2] if key is not None else read.n,
                          None if read is None else (lambda: _rotated(read)),
-                         None if read is None else read.cache, _window(module, kwargs))
+                         None if read is None else read.cache, _window(module, kwargs),
+                         None if read is None else read.state)
 
     def plain() -> torch.Tensor:
         if read is not None:

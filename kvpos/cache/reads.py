@@ -8,7 +8,7 @@ import torch
 
 from .._checks import fail
 from .._kernels import decode_q8_kernel, decode_raw_kernel
-from .._posmap_kernels import decode_heads_kernel, pine_decode_kernel
+from .._posmap_kernels import PinePlan, decode_heads_kernel, pine_plan
 from .storages import INT8, RAW, StorageMode
 from ..rope import RopeLayout, RopeSpec, _apply, cos_sin
 from .buffers import _alloc
@@ -98,6 +98,25 @@ class _ReadState:
             s = spec.attention_scaling
             last = self.cs[key] = (positions.clone(), cos * s, sin * s)
         return last[1], last[2]
+
+    def pine_plan(self, spec: RopeSpec, pos: torch.Tensor, device: torch.device, docs: tuple, window: int | None
+                  ) -> PinePlan:
+        """pine_plan over the first `n` slots (their scaled tables, positions, the last one the query's) and `docs` =
+        (doc, start, size, end, mask) as PositionedKV.decode_pine takes them: laid out once per (spec, window) and
+        forward while the same tensors come unchanged (same objects, no in-place write since: their version
+        counters), as they do from every layer of a step."""
+        key = ("pine", spec.identity, window)
+        seen = tuple((t, t._version) if isinstance(t, torch.Tensor) else (t, None) for t in docs)
+        got = self.cs.get(key)
+        if got is None or len(got[0]) != len(seen) or any(a is not b or u != w for (a, u), (b, w) in zip(got[0], seen)):
+            cos, sin = self.scaled_cos_sin(spec, pos, device)
+            p = pos[:, : self.n]
+            doc, start, size, end, mask = docs
+            plan = pine_plan(cos, sin, spec.inv_freq, doc, start, size, end, p, p[:, -1], mask, spec.attention_scaling,
+                             spec.rotary_dim, spec.layout is RopeLayout.INTERLEAVED, window,
+                             angle_f32=spec.angle_dtype == torch.float32)
+            got = self.cs[key] = (seen, plan)
+        return got[1]
 
     def value_buffer(self, layer: "SlotLayer") -> torch.Tensor:
         """[B, H, n, Dv] in the keys' dtype: where storage="int8" dequantizes a layer's values (shared by layers)."""
@@ -232,18 +251,15 @@ class _Reads:
         (`kvpos._posmap_kernels.pine_decode_kernel`): (out [B, Hq, D] float32, shift [B, Hq, n] int64), or None where it
         cannot serve. q [B, Hq, D] rotated, the query of the layer's last slot; doc [B|1, T] ints in [-1, n);
         start / size [B, n], end [B] int64 (kvpos.integrations.pine.document_layout); mask None or additive
-        float32 [B|1, T]; window: the layer's sliding window, applied at the positions keys are read at."""
+        float32 [B|1, T]; window: the layer's sliding window, applied at the positions keys are read at. The
+        kernel's per-step arguments are laid out once per forward (`_ReadState.pine_plan`) while the layers pass the
+        same document tensors and mask."""
         got = self._raw_read(index, state)
         if got is None:
             return None
         l, st = got
-        spec = l.spec
-        cos, sin = st.scaled_cos_sin(spec, self.table.pos, l.slot_device)
-        pos = self.table.pos[:, : l.n]
-        return pine_decode_kernel(q, l.raw_k[:, :, : l.n], l.v[:, :, : l.n], cos, sin, spec.inv_freq, doc, start,
-                                  size, end, pos, pos[:, -1], mask, scale, spec.attention_scaling, spec.rotary_dim,
-                                  spec.layout is RopeLayout.INTERLEAVED, window,
-                                  angle_f32=spec.angle_dtype == torch.float32)
+        plan = st.pine_plan(l.spec, self.table.pos, l.slot_device, (doc, start, size, end, mask), window)
+        return plan.run(q, l.raw_k[:, :, : l.n], l.v[:, :, : l.n], scale)
 
     def decode_mapped(self, index: int, q: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       ratios: torch.Tensor | None = None, seg: torch.Tensor | None = None,

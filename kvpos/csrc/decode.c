@@ -584,6 +584,8 @@ static inline float run_sum(const float *x, int64_t len) {
             continue;                                                                                          \
         }                                                                                                      \
         const T *kj = kr + j * D;                                                                              \
+        _Pragma("GCC unroll 8")              /* the key 16 slots ahead on its way to L1: no stall at each chunk */ \
+        for (int64_t o = 0; o < D * (int64_t)sizeof(T); o += 64) _mm_prefetch((const char *)(kj + 16 * D) + o, _MM_HINT_T0);\
         __m256 acc[KV_MAXG], acc2[KV_MAXG];          /* two chains per query: half the FMA latency per key */  \
         for (int64_t g = 0; g < (GC); g++) acc[g] = acc2[g] = _mm256_setzero_ps();                             \
         int64_t i = 0;                                                                                         \
