@@ -558,6 +558,23 @@ static inline float run_sum(const float *x, int64_t len) {
     for (; i < len; i++) t += x[i];
     return t;
 }
+/* max(x[0], ..., x[len - 1]), -inf for len 0 (eight lanes at a time where AVX2 is built) */
+static inline float run_max(const float *x, int64_t len) {
+    float m = -INFINITY;
+    int64_t i = 0;
+#if KV_AVX2
+    if (len >= 8) {
+        __m256 a = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= len; i += 8) a = _mm256_max_ps(a, _mm256_loadu_ps(x + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        m = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < len; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
 #define IMP_DOTS_SCALAR(LOAD)                                                                                      \
     for (int64_t j = j0; j < j1; j++) {                                                                       \
         const int32_t dj = drow[j];                                                                            \
@@ -621,22 +638,25 @@ static inline float run_sum(const float *x, int64_t len) {
         float sc[KV_MAXG][KV_CHUNK];                                                                           \
         if (vec) { IMP_DOTS_VEC(LD8) } else { IMP_DOTS_SCALAR(LOAD) }                                               \
         float *wk = work + idx * G * W;                                                                        \
+        int64_t ra[KV_CHUNK], re[KV_CHUNK], nr = 0;  /* the chunk's runs of slots of one document, found once */\
+        int32_t rd[KV_CHUNK];                                                                                  \
+        for (int64_t j = 0; j < nj;) {                                                                         \
+            const int32_t dj = drow[j0 + j];                                                                   \
+            int64_t e = j + 1;                                                                                 \
+            while (e < nj && drow[j0 + e] == dj) e++;                                                          \
+            if (!IMP_SKIP(dj)) { ra[nr] = j; re[nr] = e; rd[nr++] = dj; }                                      \
+            j = e;                                                                                             \
+        }                                                                                                      \
         for (int64_t g = 0; g < G; g++) {                                                                      \
-            float m = -INFINITY, *sums = wk + g * W + 1;                                                       \
-            for (int64_t j = 0; j < nj; j++) m = sc[g][j] > m ? sc[g][j] : m;                                  \
+            float *sums = wk + g * W + 1;                                                                      \
+            const float m = run_max(sc[g], nj);                                                                \
             wk[g * W] = m;                                                                                     \
             for (int64_t d = 0; d < n; d++) sums[d] = 0.0f;                                                    \
             if (m == -INFINITY) continue;                                                                      \
             int64_t j = 0;                                                                                     \
             KV_EXP_VEC                                                                                         \
             for (; j < nj; j++) sc[g][j] = expf(sc[g][j] - m);                                                 \
-            for (j = 0; j < nj;) {                   /* per run of slots of one document */                   \
-                const int32_t dj = drow[j0 + j];                                                               \
-                int64_t e = j + 1;                                                                             \
-                while (e < nj && drow[j0 + e] == dj) e++;                                                      \
-                if (!IMP_SKIP(dj)) sums[dj] += run_sum(sc[g] + j, e - j);                                      \
-                j = e;                                                                                         \
-            }                                                                                                  \
+            for (int64_t i = 0; i < nr; i++) sums[rd[i]] += run_sum(sc[g] + ra[i], re[i] - ra[i]);             \
         }                                                                                                      \
     }                                                                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                        \
