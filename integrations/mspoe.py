@@ -26,7 +26,8 @@ from kvpos.cache import PositionedKV
 from kvpos.posmap import (MS_POE_FIRST_LAYER, MS_POE_MAX, MS_POE_MIN, HeadScales, assign_ratios, ms_poe_scales,
                           position_awareness, rotate_heads, scaled_attend, turned_cos_sin)
 from kvpos.rope import cos_sin, unrotate
-from kvpos.integrations.hf import AttentionCall, Binding, bind_attention
+from kvpos.integrations.hf import AttentionCall, Binding, StepMemo, bind_attention
+from kvpos.integrations.hf.attention import decode_mask
 
 __all__ = ["MsPoEBackend", "use_ms_poe", "ms_poe_scales", "HeadScales"]
 
@@ -46,6 +47,7 @@ class MsPoEBackend:
         self.read_counts = {"fused": 0, "torch": 0}  # which path served each scaled call (decode: the fused kernel)
         self._turns = _QueryTurns()
         self._memo: dict[int, tuple] = {}            # layer -> (source, ratios, all ones): see _layer_ratios
+        self._steps = StepMemo()                     # a decode forward's query position and mask, for its layers
 
     @classmethod
     def scored(cls, layers: int, q_heads: int, rule: str = "rank", r_min: float = MS_POE_MIN,
@@ -109,17 +111,23 @@ class MsPoEBackend:
         if self.scales is not None and self.scales.ratios.shape[1] != Hq:
             fail("MsPoEBackend scales", f"[L, Hq={Hq}] ratios (the model's query heads)",
                  list(self.scales.ratios.shape))
+        spec = layer.spec
+        if Lq == 1 and r is not None:               # a decode row: its position and mask once per forward
+            q_pos, mask = self._steps.get(call, lambda: _decode_rows(cache, call))
+            out = _decode_fused(cache, call, self._turns.turn_matrix(q_pos, r, spec, call.query.shape[-1]), r, mask)
+            if out is not None:
+                self.read_counts["fused"] += 1
+                return AttentionCall.finish(out.to(call.query.dtype))
         pos = cache.table.pos[:, :N].to(call.query.device)
         q_pos = pos[:, N - Lq:]
-        spec = layer.spec
         # a decode row with no mask sees every key: no [B, 1, 1, N] mask to build (the fused kernel then takes none)
         allowed = None if Lq == 1 and r is not None and call.mask is None else call.allowed().expand(B, 1, Lq, N)
         q_raw = None
         if r is None:
             q_raw = self._unrotated(call, q_pos, spec)
             r = self._choose(call, q_raw, layer.raw_keys, allowed)
-        out = (_decode_fused(cache, call, self._turns.turn_matrix(q_pos, r, spec, call.query.shape[-1]), r, allowed)
-               if Lq == 1 else None)
+        out = (_decode_fused(cache, call, self._turns.turn_matrix(q_pos, r, spec, call.query.shape[-1]), r,
+                             None if allowed is None else decode_mask(allowed)) if Lq == 1 else None)
         self.read_counts["torch" if out is None else "fused"] += 1
         if out is None:
             allowed = call.allowed().expand(B, 1, Lq, N) if allowed is None else allowed
@@ -179,16 +187,21 @@ class _QueryTurns:
         return memo[key]
 
 
+def _decode_rows(cache: PositionedKV, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q_pos [B, 1] int64, additive mask [B, N] or None) of a decode call: its query position, and what it sees
+    as the fused kernel takes it (decode_mask; no mask: every key)."""
+    N = call.n_keys
+    q_pos = cache.table.pos[:, N - 1:N].to(call.query.device)
+    return q_pos, None if call.mask is None else decode_mask(call.allowed().expand(q_pos.shape[0], 1, 1, N))
+
+
 def _decode_fused(cache: PositionedKV, call: AttentionCall, turn: torch.Tensor, r: torch.Tensor,
-                  allowed: torch.Tensor | None) -> torch.Tensor | None:
+                  mask: torch.Tensor | None) -> torch.Tensor | None:
     """One query row per batch row over storage="raw" by the position-map decode kernel: [B, Hq, 1, D] float32,
     or None where it cannot serve (then scaled_attend computes the same numbers). turn: _QueryTurns.turn_matrix of
-    the query position at the ratios r (the model's query turned to the scaled positions in one rotation); allowed
-    [B, 1, 1, N] (None or all True: no mask)."""
+    the query position at the ratios r (the model's query turned to the scaled positions in one rotation); mask:
+    additive float32 [B, N] or None (decode_mask)."""
     q = torch.matmul(call.query.float(), turn)                                                       # [B, Hq, 1, D]
-    mask = None
-    if allowed is not None and not bool(allowed.all()):
-        mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
     out = cache.decode_mapped(call.layer, q, mask, call.scaling, ratios=r, state=call.read_state)
     return None if out is None else out[:, :, None]
 

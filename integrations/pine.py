@@ -48,7 +48,8 @@ from kvpos.compose import SEG_CHUNK0
 from kvpos.posmap import (offset_attend, pair_importance, pair_shifts, pine_shifts, rotate_heads, segment_importance,
                           shifted_window)
 from kvpos.rope import cos_sin, unrotate
-from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, bind_attention, extend
+from kvpos.integrations.hf import AttentionCall, Binding, PositionedCache, StepMemo, bind_attention, extend
+from kvpos.integrations.hf.attention import decode_mask
 
 __all__ = ["PineLiteBackend", "use_pine_lite", "document_layout", "PineDocPhase", "pine_prefill"]
 
@@ -84,7 +85,7 @@ class PineLiteBackend:
         self.importance_counts = {"fused": 0, "torch": 0}   # which path computed each call's document importance
         self._layout: tuple | None = None           # (segments, positions, document_layout of them): one per step
         self._doc32: torch.Tensor | None = None     # that layout's documents as int32
-        self._step: tuple | None = None             # (read state, {(mask id, window): (mask, version, inputs)})
+        self._steps = StepMemo()                    # a decode forward's kernel inputs, shared by its layers
 
     def layout(self, seg: torch.Tensor, pos: torch.Tensor) -> tuple:
         """document_layout(seg, pos), computed once while the slots' segments and positions stay equal (every layer
@@ -144,34 +145,15 @@ class PineLiteBackend:
 
     def _step_args(self, cache: PositionedKV, call: AttentionCall) -> tuple | None:
         """(doc int32 [B, N], start, size, end, additive mask [B, N] or None) of a decode call, as
-        PositionedKV.decode_pine takes them, or None when no slot is a document. Built once per forward and mask:
-        the layers of a step share the forward's read state (`call.read_state`, a raw hand-off's; without one
-        nothing is kept) and transformers' mask tensor (one per layer type), so only the first layer of each pays
-        for the checks, the layout and the mask (kept by identity and version counter, so a mask written in place is
-        seen)."""
-        st, m = call.read_state, call.mask
-        if st is None:
-            return self._step_layout(cache, call)
-        if self._step is None or self._step[0] is not st:
-            self._step = (st, {})
-        memo, key = self._step[1], (id(m), call.window)
-        got = memo.get(key)
-        if got is not None and got[0] is m and (m is None or got[1] == m._version):
-            return got[2]
-        inputs = self._step_layout(cache, call)
-        memo[key] = (m, None if m is None else m._version, inputs)
-        return inputs
-
-    def _step_layout(self, cache: PositionedKV, call: AttentionCall) -> tuple | None:
-        """_step_args without the memo."""
-        found = self._inputs(cache, call)
-        if found is None:
-            return None
-        _, _, start, size, end, allowed = found
-        mask = None
-        if not bool(allowed.all()):
-            mask = torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
-        return self._doc32, start, size, end, mask
+        PositionedKV.decode_pine takes them, or None when no slot is a document; once per forward and mask
+        (StepMemo: the checks, the layout and the mask are paid by the first layer of each)."""
+        def make() -> tuple | None:
+            found = self._inputs(cache, call)
+            if found is None:
+                return None
+            _, _, start, size, end, allowed = found
+            return self._doc32, start, size, end, decode_mask(allowed)
+        return self._steps.get(call, make)
 
 
 def unwindowed(cache: PositionedKV, call: AttentionCall, allowed: torch.Tensor, q_slots: torch.Tensor,

@@ -71,6 +71,28 @@ def test_ms_poe_equals_the_float64_per_head_reference_in_prefill_and_decode(arch
         assert (g - w).abs().max() < 1e-4, float((g - w).abs().max())
 
 
+def test_ms_poe_decode_with_hidden_slots_equals_the_reference_and_sees_each_steps_mask():
+    """The fused decode takes the step's mask once per forward (StepMemo): slots hidden before a step are hidden
+    from every layer of that step, and a slot hidden between two steps is seen by the next one."""
+    model = _model("llama")
+    cfg = model.config
+    scales = ms_poe_scales(cfg.num_hidden_layers, cfg.num_attention_heads, first_layer=0)
+    runs, fused = {}, MsPoEBackend(scales)
+    for name, backend in (("fused", fused), ("reference", ScaledReference(scales.for_layer))):
+        cache = PositionedCache.from_model(model, storage="raw")
+        extend(model, cache, IDS)
+        cache.hide_(3, 6)
+        tok = torch.tensor([[5]])
+        out = [extend(model, cache, tok, attention=backend)[0]]
+        cache.hide_(10, 12)
+        out.append(extend(model, cache, tok, attention=backend)[0])
+        runs[name] = out
+    assert fused.read_counts == {"fused": 2 * cfg.num_hidden_layers, "torch": 0}
+    for g, w in zip(runs["fused"], runs["reference"]):
+        assert (g - w).abs().max() < 1e-4, float((g - w).abs().max())
+    assert (runs["fused"][1] - runs["fused"][0]).abs().max() > 1e-4      # the second step saw the new hidden slots
+
+
 def test_ratios_of_one_are_bit_identical_to_plain_attention():
     """use_ms_poe with every ratio 1 binds nothing (plain reads, the fused decode kernel included); the backend
     itself at ratio 1 is transformers' attention over the rotated keys (equal up to the kernel's rounding)."""

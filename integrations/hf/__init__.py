@@ -17,7 +17,8 @@ from __future__ import annotations
 
 # names load on first use (PEP 562): importing one room (specs.py for the vLLM connector) does not load the others
 _EXPORTS = (
-    ("attention", ("NAME", "AttentionBackend", "AttentionCall", "Binding", "bind_attention", "current_binding")),
+    ("attention", ("NAME", "AttentionBackend", "AttentionCall", "Binding", "StepMemo", "bind_attention",
+                    "current_binding")),
     ("cache", ("PositionedCache",)),
     ("layers", ("PositionedLayer",)),
     ("pytree", ("register_pytree",)),

@@ -29,7 +29,8 @@ from kvpos.cache import PositionedKV
 
 from .scope import drop_handoff, pending_handoff
 
-__all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "bind_attention", "current_binding",
+__all__ = ["NAME", "AttentionCall", "AttentionBackend", "Binding", "StepMemo", "bind_attention", "current_binding",
+           "decode_mask",
            "allowed_from_mask", "layers_heads", "RawHandoff", "uses_kvpos_attention", "switch_to_kvpos"]
 
 NAME = "kvpos"
@@ -86,6 +87,41 @@ class AttentionCall:
     def finish(out: torch.Tensor) -> torch.Tensor:
         """A backend's [B, Hq, q, D] result in transformers' layout [B, q, Hq, D]."""
         return out.transpose(1, 2).contiguous()
+
+
+class StepMemo:
+    """What a bound backend derives from a decode call once per forward and mask, not once per layer: every layer of
+    one forward gets the same raw hand-off read state (`AttentionCall.read_state`) and transformers' mask tensor
+    (one per layer type), so `get(call, make)` calls `make()` for the first layer of each and returns its value to
+    the others. Kept by identity (the read state, the mask object) and the mask's version counter, so a mask
+    written in place is seen; a call without a read state (no raw hand-off) is never kept. A new forward (a new
+    read state) drops what the last one kept."""
+
+    def __init__(self) -> None:
+        self._forward: Any = None
+        self._kept: dict = {}             # (id(mask), window) -> (mask, its version, value)
+
+    def get(self, call: AttentionCall, make: Callable[[], Any]) -> Any:
+        st, m = call.read_state, call.mask
+        if st is None:
+            return make()
+        if self._forward is not st:
+            self._forward, self._kept = st, {}
+        key = (id(m), call.window)
+        got = self._kept.get(key)
+        if got is not None and got[0] is m and (m is None or got[1] == m._version):
+            return got[2]
+        value = make()
+        self._kept[key] = (m, None if m is None else m._version, value)
+        return value
+
+
+def decode_mask(allowed: torch.Tensor) -> torch.Tensor | None:
+    """A decode row's visibility allowed [B, 1, 1, N] bool as the fused kernels take it: None where every key is
+    visible, else additive float32 [B, N] (-inf on the hidden keys)."""
+    if bool(allowed.all()):
+        return None
+    return torch.zeros(allowed.shape[0], allowed.shape[-1]).masked_fill_(~allowed[:, 0, 0], float("-inf"))
 
 
 class AttentionBackend(Protocol):
