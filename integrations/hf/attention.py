@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
@@ -95,18 +96,19 @@ class StepMemo:
     (one per layer type), so `get(call, make)` calls `make()` for the first layer of each and returns its value to
     the others. Kept by identity (the read state, the mask object) and the mask's version counter, so a mask
     written in place is seen; a call without a read state (no raw hand-off) is never kept. A new forward (a new
-    read state) drops what the last one kept."""
+    read state) drops what the last one kept; the read state itself is held weakly (its tables and scratch go with
+    the forward, not with the backend)."""
 
     def __init__(self) -> None:
-        self._forward: Any = None
+        self._forward: weakref.ref | None = None
         self._kept: dict = {}             # (id(mask), window) -> (mask, its version, value)
 
     def get(self, call: AttentionCall, make: Callable[[], Any]) -> Any:
         st, m = call.read_state, call.mask
         if st is None:
             return make()
-        if self._forward is not st:
-            self._forward, self._kept = st, {}
+        if self._forward is None or self._forward() is not st:
+            self._forward, self._kept = weakref.ref(st), {}
         key = (id(m), call.window)
         got = self._kept.get(key)
         if got is not None and got[0] is m and (m is None or got[1] == m._version):
